@@ -1,0 +1,1 @@
+"""The CPU reference backend: CPU device, gloo communicator, reference kernels."""

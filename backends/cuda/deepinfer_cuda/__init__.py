@@ -1,0 +1,1 @@
+"""The NVIDIA backend: torch.cuda device, NCCL communicator, Triton kernels."""

@@ -1,0 +1,5 @@
+"""The conformance suite: proves a backend computes what the reference computes."""
+
+from .results import STATUSES, CaseResult
+
+__all__ = ["STATUSES", "CaseResult"]

@@ -1,0 +1,43 @@
+"""``deepinfer conformance``: run the suites on a backend and write the reports."""
+
+from __future__ import annotations
+
+import argparse
+
+from deepinfer.registry import select_backend
+
+from .ops import run_ops
+from .report import build_report, failed, summary_table, write_json, write_junit
+
+SUITES = ("ops",)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default=None, help="backend to check (default: the configured or auto-selected one)")
+    p.add_argument("--kernels", default=None, help="kernel set to check instead of the backend's own")
+    p.add_argument("--interpret", action="store_true", help="run Triton kernels on CPU tensors through Triton's interpreter")
+    p.add_argument("--ops", action="append", default=None, metavar="GLOB", help="only ops matching GLOB (repeatable)")
+    p.add_argument("--suite", default="ops", help=f"comma-separated suites among {', '.join(SUITES)}")
+    p.add_argument("--report", metavar="FILE.json", help="write the JSON report here")
+    p.add_argument("--junit", metavar="FILE.xml", help="write a JUnit XML report here")
+
+
+def run(args: argparse.Namespace, backend: str, interpret: bool) -> int:
+    """Run the chosen suites; return 0 exactly when nothing failed or errored."""
+    from deepinfer.errors import ConfigError
+
+    suites = [s.strip() for s in args.suite.split(",") if s.strip()]
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ConfigError(f"unknown suite '{unknown[0]}' (choose from {', '.join(SUITES)})")
+    selected = select_backend(backend, args.kernels, interpret)
+    results = []
+    if "ops" in suites:
+        results += run_ops(selected.kernels, selected.device, args.ops)
+    report = build_report(selected.name, selected.kernels_name, results)
+    if args.report:
+        write_json(report, args.report)
+    if args.junit:
+        write_junit(report, args.junit)
+    print(summary_table(report))
+    return 1 if failed(report) else 0

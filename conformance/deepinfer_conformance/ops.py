@@ -1,0 +1,106 @@
+"""Op parity: every op spec run on a backend's kernels against the reference oracle.
+
+The oracle is the reference ``Kernels`` on the CPU with the inputs first rounded
+to the dtype under test, then widened to fp64 (fp32 where the spec says the op
+is defined by fp32 math), so only the backend's own arithmetic is measured.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+
+from deepinfer_interfaces import Device, Kernels, NotSupportedError
+from deepinfer_interfaces.specs import SPECS, OpSpec
+
+from .compare import compare
+from .results import CaseResult
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _map(value: Any, fn) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, fn) for v in value)
+    return value
+
+
+def _prepare(spec: OpSpec, kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """Round the cast arguments to ``dtype``; copy everything (ops may work in place)."""
+    return {k: _map(v, (lambda t: t.to(dtype)) if k in spec.cast else torch.clone) for k, v in kwargs.items()}
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def selected_specs(patterns: list[str] | None) -> list[OpSpec]:
+    """Specs whose op name matches any glob in ``patterns`` (all when none given)."""
+    pats = patterns or ["*"]
+    return [SPECS[name] for name in sorted(SPECS) if any(fnmatch.fnmatch(name, p) for p in pats)]
+
+
+def run_spec(spec: OpSpec, kernels: Kernels, device: Device, reference: Kernels | None = None) -> list[CaseResult]:
+    """Every case of ``spec`` in every dtype it lists."""
+    reference = reference or Kernels()
+    supported = set(device.capabilities().dtypes)
+    results: list[CaseResult] = []
+    cases = spec.cases()
+    target = device.torch_device
+    for dtype in spec.dtypes:
+        tol = None if spec.exact else spec.tolerance(dtype)
+        tol_fields = {} if tol is None else {"atol": tol.atol, "rtol": tol.rtol}
+        for case in cases:
+            base = CaseResult("ops", spec.op, case.name, dtype_name(dtype), "pass", **tol_fields)
+            if dtype not in supported:
+                base.status, base.message = "not_supported", f"device does not support {dtype_name(dtype)}"
+                results.append(base)
+                continue
+            rounded = _prepare(spec, case.kwargs, dtype)
+            oracle_dtype = torch.float64 if spec.fp64_oracle else torch.float32
+            oracle_in = {k: _map(v, (lambda t: t.to(oracle_dtype)) if k in spec.cast else torch.clone) for k, v in rounded.items()}
+            expected = getattr(reference, spec.op)(**oracle_in)
+            if spec.output:
+                expected = spec.output(oracle_in, expected)
+            dev_in = {k: _map(v, lambda t: t.to(target)) for k, v in rounded.items()}
+            try:
+                got = getattr(kernels, spec.op)(**dev_in)
+                if spec.output:
+                    got = spec.output(dev_in, got)
+                device.synchronize()
+            except NotSupportedError as exc:
+                base.status, base.message = "not_supported", str(exc).splitlines()[0] if str(exc) else "not supported"
+                results.append(base)
+                continue
+            except Exception as exc:  # reported per case; the suite goes on
+                base.status, base.message = "error", _first_line(exc)
+                results.append(base)
+                continue
+            try:
+                cmp = compare(got, expected, tol)
+            except Exception as exc:
+                base.status, base.message = "error", _first_line(exc)
+                results.append(base)
+                continue
+            base.status, base.message = cmp.status, cmp.message
+            base.max_abs_err, base.max_rel_err, base.frac_out_of_tol = cmp.max_abs_err, cmp.max_rel_err, cmp.frac_out_of_tol
+            results.append(base)
+    return results
+
+
+def run_ops(kernels: Kernels, device: Device, patterns: list[str] | None = None) -> list[CaseResult]:
+    """Op parity over every selected spec."""
+    reference = Kernels()
+    out: list[CaseResult] = []
+    for spec in selected_specs(patterns):
+        out.extend(run_spec(spec, kernels, device, reference))
+    return out

@@ -1,0 +1,100 @@
+"""Engine configuration: one pydantic model, read from keywords, flags, environment and a file.
+
+Precedence, highest first: explicit keywords / CLI flags, ``DEEPINFER_<FIELD>``
+environment variables, the config file (``--config`` or ``DEEPINFER_CONFIG``,
+YAML or JSON), the defaults below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+
+ENV_PREFIX = "DEEPINFER_"
+
+
+class EngineConfig(BaseModel):
+    """Everything that selects and shapes an engine instance."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str | None = Field(None, description="HF-layout model directory; None means the bundled model")
+    backend: str = Field("auto", description="backend plugin name, or 'auto'")
+    kernels: str | None = Field(None, description="kernel-set plugin overriding the backend's own")
+    interpret: bool = Field(False, description="run Triton kernels through Triton's CPU interpreter")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    max_model_len: int | None = Field(None, gt=0)
+    max_num_seqs: int = Field(64, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    kv_cache_memory: int | None = Field(None, gt=0, description="KV cache budget in bytes")
+    kv_cache_memory_fraction: float = Field(0.5, gt=0, le=1, description="fraction of free device memory for the KV cache")
+    block_size: int = Field(16, gt=0)
+    enable_prefix_caching: bool = True
+    swa_replay: Literal["bounded", "exact"] = "bounded"
+    overlap_scheduling: bool = True
+    expert_parallel_size: int = Field(1, gt=0)
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist (pass an existing YAML or JSON file)")
+    text = p.read_text()
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:
+        raise ConfigError(f"config file {path} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}".splitlines()[0]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of field: value")
+    return data
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in EngineConfig.model_fields:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            out[name] = env[key]
+    return out
+
+
+def _describe(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "config"
+    if err["type"] == "extra_forbidden":
+        known = ", ".join(EngineConfig.model_fields)
+        return f"invalid config: unknown field '{field}' (known fields: {known})"
+    return f"invalid config: field '{field}' = {err.get('input')!r}: {err['msg']}"
+
+
+def load_config(
+    overrides: Mapping[str, Any] | None = None,
+    config_file: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> EngineConfig:
+    """Build an ``EngineConfig`` from every source, highest precedence winning field by field."""
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    config_file = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if config_file:
+        merged.update(_read_file(config_file))
+    merged.update(_from_env(env))
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return EngineConfig(**merged)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None

@@ -1,0 +1,13 @@
+"""Errors the engine reports to users as one line (the CLI exits with status 2)."""
+
+
+class DeepInferError(Exception):
+    """A user-facing error: its message names the problem and the fix."""
+
+
+class PluginError(DeepInferError):
+    """An unknown, unavailable, broken or incompatible plugin."""
+
+
+class ConfigError(DeepInferError):
+    """An invalid configuration value."""

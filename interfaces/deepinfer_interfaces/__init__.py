@@ -1,0 +1,23 @@
+"""DeepInfer's backend contract: Device, Communicator, Kernels, Backend and the op specs."""
+
+from .backend import Backend
+from .communicator import Communicator, DispatchHandle, DispatchResult
+from .device import Device, DeviceCapabilities, HostEvent, HostStream, host_stream_context
+from .errors import NotSupportedError
+from .kernels import Kernels
+from .version import INTERFACE_VERSION
+
+__all__ = [
+    "INTERFACE_VERSION",
+    "Backend",
+    "Communicator",
+    "Device",
+    "DeviceCapabilities",
+    "DispatchHandle",
+    "DispatchResult",
+    "HostEvent",
+    "HostStream",
+    "Kernels",
+    "NotSupportedError",
+    "host_stream_context",
+]

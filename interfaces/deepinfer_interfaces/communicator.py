@@ -1,0 +1,145 @@
+"""The Communicator contract: collectives between ranks, and the two MoE verbs.
+
+Collectives follow torch.distributed semantics. ``dispatch`` and ``combine`` are
+written here once on top of ``all_to_all`` (uneven splits), so a backend gets
+them for free and overrides them only when it has a faster path (DeepEP-style).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DispatchHandle:
+    """What ``combine`` needs to send results back to where tokens came from."""
+
+    #: for each sent row, the source token index (sent rows are ordered by destination rank)
+    send_token_index: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+
+
+@dataclass
+class DispatchResult:
+    """Tokens received by this rank for its local experts."""
+
+    #: ``[R, H]`` hidden states of the received tokens (one row per token and rank)
+    hidden: torch.Tensor
+    #: ``[R, K]`` local expert index for each of the token's top-k slots, -1 where that
+    #: slot's expert lives on another rank
+    topk_ids: torch.Tensor
+    #: ``[R, K]`` routing weights matching ``topk_ids`` (0 where ``topk_ids`` is -1)
+    topk_weights: torch.Tensor
+    handle: DispatchHandle
+
+
+class Communicator(ABC):
+    """Collectives over a group of ranks, one rank per device."""
+
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the group."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` across ranks in place (``sum``, ``max``, ``min``); returns it."""
+
+    @abstractmethod
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along dim 0, in rank order."""
+
+    @abstractmethod
+    def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce across ranks, then give rank ``r`` the ``r``-th equal chunk along dim 0."""
+
+    @abstractmethod
+    def all_to_all(
+        self,
+        tensor: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Send the ``i``-th dim-0 slice of ``tensor`` to rank ``i``; splits may be uneven or 0."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s; returns it."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point."""
+
+    @abstractmethod
+    def subgroup(self, ranks: list[int]) -> "Communicator":
+        """A communicator over ``ranks`` (every rank of this group must call it)."""
+
+    def exchange_counts(self, counts: list[int]) -> list[int]:
+        """Send ``counts[i]`` to rank ``i``; return what each rank sent to us."""
+        if self.world_size == 1:
+            return list(counts)
+        t = torch.tensor(counts, dtype=torch.int64, device=self._count_device())
+        out = self.all_to_all(t, [1] * self.world_size, [1] * self.world_size)
+        return [int(v) for v in out.cpu().tolist()]
+
+    def _count_device(self) -> torch.device:
+        """Device that small control tensors live on for this communicator."""
+        return torch.device("cpu")
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        expert_rank: torch.Tensor,
+        expert_local: torch.Tensor,
+    ) -> DispatchResult:
+        """Send each token to every rank holding one of its chosen experts, once per rank.
+
+        ``hidden`` is ``[T, H]``; ``topk_ids`` ``[T, K]`` global expert ids (-1: no
+        expert); ``expert_rank[e]`` / ``expert_local[e]`` place expert ``e``. The
+        receiving rank sees each token once with the slots of its own experts.
+        """
+        num_tokens, k = topk_ids.shape
+        world = self.world_size
+        valid = topk_ids >= 0
+        safe_ids = topk_ids.clamp(min=0)
+        slot_rank = torch.where(valid, expert_rank[safe_ids], torch.full_like(topk_ids, -1))
+        # dest[t, r] is True when token t has an expert on rank r
+        dest = torch.zeros(num_tokens, world, dtype=torch.bool, device=hidden.device)
+        rows, cols = valid.nonzero(as_tuple=True)
+        dest[rows, slot_rank[rows, cols]] = True
+        dest_rank, token_index = dest.t().nonzero(as_tuple=True)  # ordered by rank
+        send_splits = torch.bincount(dest_rank, minlength=world).tolist()
+        # per sent row: local ids of the slots that live on the destination rank
+        sel_rank = slot_rank[token_index]
+        mine = sel_rank == dest_rank[:, None]
+        send_ids = torch.where(mine, expert_local[safe_ids[token_index]], torch.full_like(sel_rank, -1))
+        send_w = torch.where(mine, topk_weights[token_index], torch.zeros_like(topk_weights[token_index]))
+        recv_splits = self.exchange_counts(send_splits)
+        recv_hidden = self.all_to_all(hidden[token_index].contiguous(), recv_splits, send_splits)
+        recv_ids = self.all_to_all(send_ids.contiguous(), recv_splits, send_splits)
+        recv_w = self.all_to_all(send_w.contiguous(), recv_splits, send_splits)
+        handle = DispatchHandle(token_index, send_splits, recv_splits, num_tokens)
+        return DispatchResult(recv_hidden, recv_ids.view(-1, k), recv_w.view(-1, k), handle)
+
+    def combine(self, hidden: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Return each received row's result to its source rank and sum per token.
+
+        ``hidden`` is ``[R, H]`` in the order ``dispatch`` delivered; the result is
+        ``[T, H]`` on the source rank, the sum over every rank that processed it.
+        """
+        back = self.all_to_all(hidden.contiguous(), handle.send_splits, handle.recv_splits)
+        out = torch.zeros(handle.num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+        out.index_add_(0, handle.send_token_index, back.float())
+        return out.to(hidden.dtype)

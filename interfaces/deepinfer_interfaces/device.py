@@ -1,0 +1,131 @@
+"""The Device contract: what the engine needs to know about, and do with, an accelerator.
+
+Modelled on ``torch.accelerator`` and kept small: identity, capabilities,
+availability, device selection, streams and events, synchronisation, memory and
+seeding, and the name of the torch.distributed backend that connects devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceCapabilities:
+    """What a device can do; the engine and the kernels branch on these, never on names."""
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    fp8: bool = False
+    fp4: bool = False
+    graph_capture: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Device(ABC):
+    """One kind of accelerator (all devices of that kind on this host)."""
+
+    #: torch device type, e.g. ``"cpu"``, ``"cuda"``, ``"npu"``.
+    type: ClassVar[str]
+    #: torch.distributed backend connecting these devices, e.g. ``"gloo"``.
+    dist_backend: ClassVar[str]
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> tuple[bool, str | None]:
+        """``(True, None)`` when usable here, else ``(False, reason)``; never raises."""
+
+    @abstractmethod
+    def device_count(self) -> int:
+        """Number of devices of this kind visible to the process."""
+
+    @abstractmethod
+    def capabilities(self) -> DeviceCapabilities:
+        """Capabilities of the selected device."""
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The torch device that tensors for this device are created on."""
+        return torch.device(self.type, self.index)
+
+    def set_device(self, index: int) -> None:
+        """Select the device that later work runs on."""
+        self.index = index
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all queued work on the selected device."""
+
+    @abstractmethod
+    def memory_info(self) -> tuple[int, int]:
+        """``(free_bytes, total_bytes)`` of the selected device."""
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the default generators that sampling on this device uses."""
+        torch.manual_seed(seed)
+
+    def generator(self, seed: int) -> torch.Generator:
+        """A generator on this device seeded with ``seed`` (per-request sampling)."""
+        g = torch.Generator(device=self.torch_device)
+        g.manual_seed(seed)
+        return g
+
+    @abstractmethod
+    def new_stream(self) -> Any:
+        """A new stream for overlapping work with the default stream."""
+
+    @abstractmethod
+    def new_event(self) -> Any:
+        """A new event that can be recorded on a stream and waited for."""
+
+    @abstractmethod
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Context manager making ``stream`` current for the enclosed work."""
+
+    def describe(self) -> str:
+        """One line naming the device, for logs."""
+        return f"{self.type}:{self.index} ({self.capabilities().name})"
+
+
+class HostStream:
+    """A stream for devices whose work runs synchronously on the host."""
+
+    def synchronize(self) -> None:
+        """Nothing is ever queued, so there is nothing to wait for."""
+
+    def wait_event(self, event: "HostEvent") -> None:
+        """Events on a host stream have always completed."""
+
+    def wait_stream(self, stream: "HostStream") -> None:
+        """Work on a host stream is always complete."""
+
+
+class HostEvent:
+    """An event for devices whose work runs synchronously on the host."""
+
+    def record(self, stream: HostStream | None = None) -> None:
+        """Work before the record point is already complete."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _null_context() -> Iterator[None]:
+    yield
+
+
+def host_stream_context(stream: Any) -> contextlib.AbstractContextManager:
+    """Stream context for host-synchronous devices: a no-op."""
+    return _null_context()

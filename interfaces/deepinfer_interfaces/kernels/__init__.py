@@ -1,0 +1,39 @@
+"""The ``Kernels`` contract: one method per operation, each method its own reference.
+
+A backend subclasses ``Kernels`` and overrides what it accelerates; whatever it
+does not override runs this plain-PyTorch reference on the backend's tensors.
+Each family of ops lives in its own module as a mixin; ``Kernels`` joins them.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ..version import INTERFACE_VERSION
+from .base import acc_dtype, op
+from .bitmask import BitmaskOps, unpack_bitmask
+from .norm import NormOps
+from .rope import RopeOps
+from .sampling import SamplingOps
+
+
+class Kernels(NormOps, RopeOps, SamplingOps, BitmaskOps):
+    """The reference kernel set, in plain PyTorch; its methods are the specification."""
+
+    #: entry-point name of this kernel set
+    name: ClassVar[str] = "reference"
+    #: the contract version this kernel set was written against
+    interface_version: ClassVar[str] = INTERFACE_VERSION
+
+    @classmethod
+    def ops(cls) -> list[str]:
+        """Every operation of the contract."""
+        return sorted(n for n in dir(Kernels) if getattr(getattr(Kernels, n), "_deepinfer_op", False))
+
+    @classmethod
+    def overrides(cls) -> list[str]:
+        """The operations this kernel set implements itself rather than inheriting the reference."""
+        return [n for n in cls.ops() if getattr(cls, n) is not getattr(Kernels, n)]
+
+
+__all__ = ["Kernels", "op", "acc_dtype", "unpack_bitmask"]
