@@ -1,0 +1,106 @@
+"""Fixed-size token blocks with reference counts, prefix hashing and LRU eviction.
+
+A block holds the content-addressed state of ``block_size`` consecutive tokens
+(the compressed KV, indexer keys and HCA entries they produce). Full blocks are
+named by a chained hash of their token ids (plus a salt), so a later request
+with the same prefix reuses them. Freed blocks stay cached, in least-recently
+used order, until a new allocation evicts them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+def chain_hashes(token_ids: list[int], block_size: int, salt: object = None, start: int = 0, parent: int | None = None) -> list[int]:
+    """Hashes of the full blocks of ``token_ids`` from block ``start``, each chained to its predecessor."""
+    out = []
+    for b in range(start, len(token_ids) // block_size):
+        parent = hash((parent, salt, tuple(token_ids[b * block_size : (b + 1) * block_size])))
+        out.append(parent)
+    return out
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        #: blocks with no user, least recently freed first; cached ones keep their hash until evicted
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """Block ids of the longest run of ``hashes`` that is cached."""
+        found = []
+        if not self.enable_prefix_caching:
+            return found
+        for h in hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def acquire(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit)."""
+        for i in block_ids:
+            block = self.blocks[i]
+            if block.ref_count == 0:
+                self.free_queue.pop(i, None)
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh blocks, evicting the least recently used cached ones; None if too few are free."""
+        if n > len(self.free_queue):
+            return None
+        out = []
+        for _ in range(n):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_count = 1
+            out.append(block_id)
+        return out
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop a reference; unused blocks join the free queue (most recently used last)."""
+        for i in block_ids:
+            block = self.blocks[i]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue[i] = None
+                    self.free_queue.move_to_end(i, last=False)  # uncached: reuse first
+                else:
+                    self.free_queue[i] = None
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        """Name a block that now holds a full block of tokens, so later prefixes can reuse it."""
+        if not self.enable_prefix_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block_id

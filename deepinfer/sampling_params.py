@@ -1,0 +1,95 @@
+"""Per-request generation parameters, shaped like vLLM's so users' scripts carry over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import DeepInferError
+
+
+class InvalidRequestError(DeepInferError, ValueError):
+    """A request whose prompt or parameters cannot be served; reported on that request only."""
+
+
+def _first_problem(exc: ValidationError, what: str) -> str:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or what
+    if err["type"] == "extra_forbidden":
+        return f"unknown {what} '{field}'"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"invalid {what} '{field}' = {err.get('input')!r}: {msg}"
+
+
+class _Validated(BaseModel):
+    """Raises ``InvalidRequestError`` naming the field instead of pydantic's multi-line report."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    _what = "parameter"
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise InvalidRequestError(_first_problem(exc, self._what)) from None
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint: a JSON schema, any JSON object, a regex, an EBNF grammar or a choice."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "grammar", "choice") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"structured output: give exactly one of json, json_object, regex, grammar, choice (got {', '.join(given) or 'none'})"
+            )
+        if self.choice is not None and not self.choice:
+            raise InvalidRequestError("structured output: choice needs at least one option")
+
+
+class SamplingParams(_Validated):
+    """How to sample one request; invalid values raise ``InvalidRequestError`` on creation."""
+
+    _what = "sampling parameter"
+
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 keeps every token")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_tokens: int = Field(16, ge=1)
+    stop: list[str] = Field(default_factory=list, description="strings that end the output (not included in it)")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = Field(None, ge=0, description="top log-probabilities per output token")
+    prompt_logprobs: int | None = Field(None, ge=0, description="top log-probabilities per prompt token")
+    skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
