@@ -11,3 +11,7 @@ class PluginError(DeepInferError):
 
 class ConfigError(DeepInferError):
     """An invalid configuration value."""
+
+
+class CheckpointError(DeepInferError):
+    """A model directory, checkpoint, tokenizer or config file that cannot be loaded."""
