@@ -1,0 +1,70 @@
+"""Launch helpers shared by the Triton kernels: interpreter awareness, block sizes, tensor checks.
+
+This module never imports Triton, so ``kernels.py`` can use it to decide where
+a kernel may run before any Triton module is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on CPU tensors through its interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def choose(gpu: T, interpreter: T) -> T:
+    """``gpu`` on a real device, ``interpreter`` under the interpreter.
+
+    Interpreter values are small blocks: the interpreter is slow per element,
+    and small blocks make the small op-spec shapes cross block boundaries.
+    """
+    return interpreter if interpreting() else gpu
+
+
+def autotune_configs(gpu: Sequence[T], interpreter: T) -> list[T]:
+    """Configs for ``@triton.autotune``: all of ``gpu`` on a device, only ``interpreter`` under the interpreter.
+
+    The interpreter cannot benchmark configs against each other (autotuning with
+    more than one config fails there), so it gets exactly one.
+    """
+    return [interpreter] if interpreting() else list(gpu)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def num_warps_for(elements: int) -> int:
+    """Warps for a program that holds ``elements`` values at once: about 8 per thread, 1 to 16 warps."""
+    return max(1, min(16, next_power_of_2(elements) // 256))
+
+
+#: dtypes the Triton kernels load and store; fp64 accumulates in fp64 like the reference.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_device(op: str, *tensors: torch.Tensor) -> None:
+    """Triton kernels need CUDA tensors, or CPU tensors under the interpreter; say so clearly otherwise."""
+    want = "cpu" if interpreting() else "cuda"
+    for t in tensors:
+        if t.device.type != want:
+            fix = (
+                "move the tensors to the CUDA device, or run with --interpret (TRITON_INTERPRET=1) for CPU tensors"
+                if want == "cuda"
+                else "the interpreter runs on CPU tensors; move them to the CPU"
+            )
+            raise ValueError(f"cuda kernel {op}: got a {t.device.type} tensor but Triton here runs on {want} tensors; {fix}")
+
+
+def rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` as ``[N, width]`` rows with unit stride along the row (a copy only when needed)."""
+    x2 = x.reshape(-1, width)
+    return x2 if width <= 1 or x2.stride(-1) == 1 else x2.contiguous()
