@@ -6,10 +6,11 @@ import argparse
 
 from deepinfer.registry import select_backend
 
+from .comm import run_comm
 from .ops import run_ops
 from .report import build_report, failed, summary_table, write_json, write_junit
 
-SUITES = ("ops",)
+SUITES = ("ops", "comm")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace, backend: str, interpret: bool) -> int:
     results = []
     if "ops" in suites:
         results += run_ops(selected.kernels, selected.device, args.ops)
+    if "comm" in suites:
+        results += run_comm(selected.name, args.kernels, interpret, communicator_cls=selected.communicator_cls)
     report = build_report(selected.name, selected.kernels_name, results)
     if args.report:
         write_json(report, args.report)

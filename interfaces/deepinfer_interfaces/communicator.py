@@ -82,10 +82,19 @@ class Communicator(ABC):
 
     @abstractmethod
     def subgroup(self, ranks: list[int]) -> "Communicator":
-        """A communicator over ``ranks`` (every rank of this group must call it)."""
+        """A communicator over ``ranks`` of this group (every rank of this group must call it).
+
+        Ranks in the new group follow ascending order of ``ranks``. A rank not in
+        ``ranks`` gets a communicator with rank -1 whose collectives raise.
+        """
+
+    def close(self) -> None:
+        """Release what this communicator holds (a process group it created); default: nothing."""
 
     def exchange_counts(self, counts: list[int]) -> list[int]:
         """Send ``counts[i]`` to rank ``i``; return what each rank sent to us."""
+        if len(counts) != self.world_size:
+            raise ValueError(f"exchange_counts got {len(counts)} counts for world size {self.world_size} (give one per rank)")
         if self.world_size == 1:
             return list(counts)
         t = torch.tensor(counts, dtype=torch.int64, device=self._count_device())
@@ -108,38 +117,54 @@ class Communicator(ABC):
 
         ``hidden`` is ``[T, H]``; ``topk_ids`` ``[T, K]`` global expert ids (-1: no
         expert); ``expert_rank[e]`` / ``expert_local[e]`` place expert ``e``. The
-        receiving rank sees each token once with the slots of its own experts.
+        receiving rank sees each token once with the slots of its own experts; its
+        rows are grouped by source rank in rank order, each group in token order.
+        Dtypes of ``hidden``, ``topk_ids`` and ``topk_weights`` are kept.
         """
-        num_tokens, k = topk_ids.shape
+        if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or hidden.shape[0] != topk_ids.shape[0]:
+            raise ValueError(
+                f"dispatch needs hidden [T, H], topk_ids and topk_weights [T, K]; got {tuple(hidden.shape)}, "
+                f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
+            )
+        num_tokens = topk_ids.shape[0]
         world = self.world_size
+        expert_rank = expert_rank.to(topk_ids.device)
+        expert_local = expert_local.to(topk_ids.device)
         valid = topk_ids >= 0
         safe_ids = topk_ids.clamp(min=0)
         slot_rank = torch.where(valid, expert_rank[safe_ids], torch.full_like(topk_ids, -1))
         # dest[t, r] is True when token t has an expert on rank r
-        dest = torch.zeros(num_tokens, world, dtype=torch.bool, device=hidden.device)
+        dest = torch.zeros(num_tokens, world, dtype=torch.bool, device=topk_ids.device)
         rows, cols = valid.nonzero(as_tuple=True)
         dest[rows, slot_rank[rows, cols]] = True
-        dest_rank, token_index = dest.t().nonzero(as_tuple=True)  # ordered by rank
+        dest_rank, token_index = dest.t().nonzero(as_tuple=True)  # ordered by rank, then token
         send_splits = torch.bincount(dest_rank, minlength=world).tolist()
         # per sent row: local ids of the slots that live on the destination rank
         sel_rank = slot_rank[token_index]
         mine = sel_rank == dest_rank[:, None]
-        send_ids = torch.where(mine, expert_local[safe_ids[token_index]], torch.full_like(sel_rank, -1))
-        send_w = torch.where(mine, topk_weights[token_index], torch.zeros_like(topk_weights[token_index]))
+        send_ids = torch.where(mine, expert_local[safe_ids[token_index]], -1).to(topk_ids.dtype)
+        sel_w = topk_weights[token_index]
+        send_w = torch.where(mine, sel_w, torch.zeros_like(sel_w))
         recv_splits = self.exchange_counts(send_splits)
-        recv_hidden = self.all_to_all(hidden[token_index].contiguous(), recv_splits, send_splits)
-        recv_ids = self.all_to_all(send_ids.contiguous(), recv_splits, send_splits)
-        recv_w = self.all_to_all(send_w.contiguous(), recv_splits, send_splits)
+        token_index = token_index.to(hidden.device)
+        recv_hidden = self.all_to_all(hidden[token_index], recv_splits, send_splits)
+        recv_ids = self.all_to_all(send_ids, recv_splits, send_splits)
+        recv_w = self.all_to_all(send_w, recv_splits, send_splits)
         handle = DispatchHandle(token_index, send_splits, recv_splits, num_tokens)
-        return DispatchResult(recv_hidden, recv_ids.view(-1, k), recv_w.view(-1, k), handle)
+        return DispatchResult(recv_hidden, recv_ids, recv_w, handle)
 
     def combine(self, hidden: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return each received row's result to its source rank and sum per token.
 
         ``hidden`` is ``[R, H]`` in the order ``dispatch`` delivered; the result is
-        ``[T, H]`` on the source rank, the sum over every rank that processed it.
+        ``[T, H]`` on the source rank in ``hidden``'s dtype, the sum (accumulated in
+        at least fp32) over every rank that processed the token; 0 for a token no
+        rank processed.
         """
-        back = self.all_to_all(hidden.contiguous(), handle.send_splits, handle.recv_splits)
-        out = torch.zeros(handle.num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
-        out.index_add_(0, handle.send_token_index, back.float())
+        if hidden.shape[0] != sum(handle.recv_splits):
+            raise ValueError(f"combine got {hidden.shape[0]} rows, but dispatch delivered {sum(handle.recv_splits)}")
+        back = self.all_to_all(hidden, handle.send_splits, handle.recv_splits)
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        out = torch.zeros((handle.num_tokens, *hidden.shape[1:]), dtype=acc, device=hidden.device)
+        out.index_add_(0, handle.send_token_index.to(hidden.device), back.to(acc))
         return out.to(hidden.dtype)
