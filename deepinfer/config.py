@@ -33,6 +33,7 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, gt=0)
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0)
+    max_prefill_chunk: int = Field(512, gt=0, description="most tokens of one sequence computed in one step")
     kv_cache_memory: int | None = Field(None, gt=0, description="KV cache budget in bytes")
     kv_cache_memory_fraction: float = Field(0.5, gt=0, le=1, description="fraction of free device memory for the KV cache")
     block_size: int = Field(16, gt=0)

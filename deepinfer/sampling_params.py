@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -27,13 +27,13 @@ class _Validated(BaseModel):
     """Raises ``InvalidRequestError`` naming the field instead of pydantic's multi-line report."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    _what = "parameter"
+    what: ClassVar[str] = "parameter"
 
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise InvalidRequestError(_first_problem(exc, self._what)) from None
+            raise InvalidRequestError(_first_problem(exc, self.what)) from None
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class StructuredOutputsParams:
 class SamplingParams(_Validated):
     """How to sample one request; invalid values raise ``InvalidRequestError`` on creation."""
 
-    _what = "sampling parameter"
+    what: ClassVar[str] = "sampling parameter"
 
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)

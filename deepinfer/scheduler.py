@@ -41,10 +41,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_chunk: int | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        #: most tokens of one sequence in one step
+        self.max_chunk = max_chunk or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -70,7 +72,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
             while not self.kv.allocate(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -89,7 +91,7 @@ class Scheduler:
                 break
             hit = self.kv.prefix_hit(req)
             start = len(hit) * self.kv.block_size
-            n = min(req.num_tokens - start, budget)
+            n = min(req.num_tokens - start, budget, self.max_chunk)
             if not self.kv.allocate(req, start + n, hit):
                 break
             self.waiting.popleft()

@@ -1,0 +1,249 @@
+"""The engine: requests in, tokens out, one scheduler step at a time.
+
+Each ``step`` asks the scheduler which tokens to compute, runs them through the
+model runner, samples the requests whose chunk reached their last token, and
+applies stop conditions. Bad requests fail alone: their output carries the
+error and the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer, find_stop
+from .errors import ConfigError, DeepInferError
+from .kv_cache_manager import KVCacheManager
+from .loader import load_tokenizer, read_generation_config
+from .model_runner import ModelRunner, StepInput
+from .outputs import CompletionOutput, RequestOutput
+from .registry import select_backend
+from .request import Request, RequestStatus
+from .sampler import Sampler, to_logprobs, top_logprobs
+from .sampling_params import InvalidRequestError, SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger("deepinfer")
+
+BUNDLED_MODEL = Path(__file__).parent / "models" / "tiny-v4"
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model directory to load: the given one, or the bundled model."""
+    if model is not None:
+        return Path(model)
+    if not (BUNDLED_MODEL / "config.json").is_file():
+        raise ConfigError(f"no model given and the bundled model is missing at {BUNDLED_MODEL}; pass --model DIR")
+    return BUNDLED_MODEL
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.backend = select_backend(config.backend, config.kernels, config.interpret)
+        model_dir = resolve_model_dir(config.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.runner = ModelRunner(self.backend, model_dir, config)
+        mc = self.runner.config
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = self.runner.max_model_len
+        gen = read_generation_config(model_dir)
+        eos = gen.get("eos_token_id", mc.eos_token_id)
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        plan = self.runner.plan
+        # the sliding-window ring is not content-addressed: reusing cached blocks needs the
+        # window rebuilt by replay, so blocks are shared only once replay is in place
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, plan.num_slots, enable_prefix_caching=False)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens)
+        self.sampler = Sampler(self.backend.kernels, self.backend.device, config.seed)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # ----- requests -----
+
+    def _validate(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); fix the token ids")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}; "
+                "shorten the prompt or raise max_model_len"
+            )
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None
+    ) -> Request:
+        """Queue one request; an invalid one is returned already finished with its error."""
+        request_id = request_id or str(next(self._ids))
+        text = prompt if isinstance(prompt, str) else None
+        req = Request(request_id, text, [], SamplingParams())
+        self.requests[request_id] = req
+        try:
+            if params is None:
+                params = SamplingParams()
+            elif not isinstance(params, SamplingParams):
+                params = SamplingParams(**dict(params))
+            req.params = params
+            ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+            req.prompt_token_ids = ids
+            self._validate(ids)
+        except DeepInferError as exc:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+            req.state["error"] = str(exc)
+            return req
+        req.eos_token_id = next(iter(self.eos_token_ids), None)
+        req.state["detok"] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(req.prompt_token_ids)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its output so far is kept with finish reason ``abort``."""
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, "abort")
+            req.metrics.finished_time = time.monotonic()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ----- stepping -----
+
+    def _logit_offsets(self, chunk) -> list[int]:
+        req = chunk.request
+        if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens:
+            return list(range(chunk.num_tokens))
+        return [chunk.num_tokens - 1] if chunk.samples else []
+
+    def step(self) -> list[Request]:
+        """Run one scheduler step; return the requests that produced tokens or finished."""
+        out = self.scheduler.schedule()
+        changed: list[Request] = list(out.preempted)
+        if not out.chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                req = self.scheduler.waiting[0]
+                self._fail(req, f"the request needs {self.kv.blocks_for(req.num_tokens)} cache blocks but the cache has {self.kv.pool.num_blocks}; raise kv_cache_memory")
+                changed.append(req)
+            return changed
+        now = time.monotonic()
+        offsets = [self._logit_offsets(c) for c in out.chunks]
+        slots = [self.kv.slots[c.request.request_id] for c in out.chunks]
+        tables = {s: self.kv.tables[c.request.request_id] for s, c in zip(slots, out.chunks)}
+        logits = self.runner.execute(StepInput(out.chunks, offsets), slots, tables)
+        row = 0
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for chunk, offs in zip(out.chunks, offsets):
+            req = chunk.request
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens:
+                self._prompt_logprobs(req, chunk.start, logits[row : row + len(offs)])
+            if chunk.samples:
+                sample_rows.append(row + len(offs) - 1)
+                sample_reqs.append(req)
+            row += len(offs)
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.commit(req)
+        if sample_reqs:
+            rows = logits[sample_rows]
+            tokens = self.sampler.sample(rows, sample_reqs)
+            want = [r.params.logprobs for r in sample_reqs]
+            lps = top_logprobs(rows, max(w or 0 for w in want), tokens) if any(w is not None for w in want) else None
+            for i, (req, tok) in enumerate(zip(sample_reqs, tokens.tolist())):
+                if lps is not None and req.params.logprobs is not None:
+                    keep = self._trim(lps[i], req.params.logprobs, tok)
+                    req.logprobs.extend(to_logprobs([keep], self._decode_one))
+                self._append(req, tok)
+                changed.append(req)
+        return changed
+
+    @staticmethod
+    def _trim(row: dict[int, tuple[float, int]], k: int, chosen: int) -> dict[int, tuple[float, int]]:
+        return {t: v for t, v in row.items() if v[1] <= k or t == chosen}
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
+        """Row j of ``logits`` predicts prompt token ``start + j + 1``."""
+        n = min(logits.shape[0], req.num_prompt_tokens - 1 - start)
+        if n <= 0:
+            return
+        targets = torch.tensor(req.prompt_token_ids[start + 1 : start + 1 + n], device=logits.device)
+        rows = top_logprobs(logits[:n], req.params.prompt_logprobs, targets)
+        for j, r in enumerate(rows):
+            keep = self._trim(r, req.params.prompt_logprobs, int(targets[j]))
+            req.prompt_logprobs[start + 1 + j] = to_logprobs([keep], self._decode_one)[0]
+
+    def _append(self, req: Request, token: int) -> None:
+        now = time.monotonic()
+        p = req.params
+        req.output_token_ids.append(token)
+        m = req.metrics
+        m.num_generated_tokens += 1
+        if m.first_token_time is None:
+            m.first_token_time = now
+        reason: tuple[str, str | int | None] | None = None
+        if not p.ignore_eos and token in self.eos_token_ids:
+            reason = ("stop", None)
+        elif token in p.stop_token_ids:
+            reason = ("stop", token)
+        else:
+            delta = req.state["detok"].push(token)
+            req.output_text += delta
+            hit = find_stop(req.output_text, len(delta), p.stop) if p.stop and delta else None
+            if hit is not None:
+                req.output_text = req.output_text[: hit[0]]
+                reason = ("stop", hit[1])
+        if reason is None and len(req.output_token_ids) >= p.max_tokens:
+            reason = ("length", None)
+        if reason is None and req.num_tokens >= self.max_model_len:
+            reason = ("length", None)
+        if reason is not None:
+            self.scheduler.finish(req, *reason)
+            m.finished_time = now
+
+    def _fail(self, req: Request, message: str) -> None:
+        self.scheduler.finish(req, "abort")
+        req.state["error"] = message
+        req.metrics.finished_time = time.monotonic()
+
+    # ----- outputs -----
+
+    def output(self, req: Request) -> RequestOutput:
+        """A snapshot of ``req``'s output so far."""
+        completion = CompletionOutput(
+            index=0,
+            text=req.output_text,
+            token_ids=list(req.output_token_ids),
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        prompt_lps = None
+        if req.params.prompt_logprobs is not None and req.prompt_logprobs:
+            prompt_lps = list(req.prompt_logprobs)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            prompt_logprobs=prompt_lps,
+            outputs=[completion],
+            finished=req.finished,
+            metrics=req.metrics,
+            error=req.state.get("error"),
+            num_cached_tokens=req.num_cached_tokens,
+        )
