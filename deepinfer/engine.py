@@ -28,6 +28,7 @@ from .request import Request, RequestStatus
 from .sampler import Sampler, to_logprobs, top_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
+from .stats import EngineStats
 
 log = logging.getLogger("deepinfer")
 
@@ -48,8 +49,8 @@ class Engine:
         self.config = config
         self.backend = select_backend(config.backend, config.kernels, config.interpret)
         model_dir = resolve_model_dir(config.model)
-        self.tokenizer = load_tokenizer(model_dir)
         self.runner = ModelRunner(self.backend, model_dir, config)
+        self.tokenizer = load_tokenizer(model_dir)
         mc = self.runner.config
         self.vocab_size = mc.vocab_size
         self.max_model_len = self.runner.max_model_len
@@ -64,6 +65,7 @@ class Engine:
         self.sampler = Sampler(self.backend.kernels, self.backend.device, config.seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.stats = EngineStats()
 
     # ----- requests -----
 
@@ -129,7 +131,11 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one scheduler step; return the requests that produced tokens or finished."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.stats.schedule_seconds += t1 - t0
+        self.stats.preemptions += len(out.preempted)
         changed: list[Request] = list(out.preempted)
         if not out.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -142,6 +148,10 @@ class Engine:
         slots = [self.kv.slots[c.request.request_id] for c in out.chunks]
         tables = {s: self.kv.tables[c.request.request_id] for s, c in zip(slots, out.chunks)}
         logits = self.runner.execute(StepInput(out.chunks, offsets), slots, tables)
+        t2 = time.perf_counter()
+        self.stats.forward_seconds += t2 - t1
+        self.stats.steps += 1
+        self.stats.computed_tokens += out.num_tokens
         row = 0
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
@@ -149,6 +159,8 @@ class Engine:
             req = chunk.request
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
+                self.stats.prompt_tokens += req.num_prompt_tokens
+                self.stats.cached_tokens += req.num_cached_tokens
             if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens:
                 self._prompt_logprobs(req, chunk.start, logits[row : row + len(offs)])
             if chunk.samples:
@@ -168,7 +180,12 @@ class Engine:
                     req.logprobs.extend(to_logprobs([keep], self._decode_one))
                 self._append(req, tok)
                 changed.append(req)
+        self.stats.generated_tokens += len(sample_reqs)
+        self.stats.wall_seconds += time.perf_counter() - t0
         return changed
+
+    def stats_line(self) -> str:
+        return self.stats.line()
 
     @staticmethod
     def _trim(row: dict[int, tuple[float, int]], k: int, chosen: int) -> dict[int, tuple[float, int]]:
