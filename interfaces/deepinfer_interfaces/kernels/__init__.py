@@ -10,14 +10,31 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..version import INTERFACE_VERSION
+from .attention import AttentionOps
 from .base import acc_dtype, op
 from .bitmask import BitmaskOps, unpack_bitmask
+from .cache_ops import CacheOps
+from .compressor import CompressorOps
+from .indexer import IndexerOps
+from .mhc import MHCOps
+from .moe import MoEOps
 from .norm import NormOps
 from .rope import RopeOps
 from .sampling import SamplingOps
 
 
-class Kernels(NormOps, RopeOps, SamplingOps, BitmaskOps):
+class Kernels(
+    NormOps,
+    RopeOps,
+    SamplingOps,
+    BitmaskOps,
+    CacheOps,
+    AttentionOps,
+    IndexerOps,
+    CompressorOps,
+    MHCOps,
+    MoEOps,
+):
     """The reference kernel set, in plain PyTorch; its methods are the specification."""
 
     #: entry-point name of this kernel set

@@ -1,0 +1,206 @@
+"""The model's configuration, parsed from a checkpoint's HF ``config.json``.
+
+Both the current transformers layout (``layer_types``, ``mlp_layer_types``,
+``compress_rates``, nested ``rope_parameters``) and the legacy fields older
+DeepSeek-V4 checkpoints ship (``compress_ratios``, ``compress_rate_csa`` /
+``compress_rate_hca``, ``num_hash_layers``, ``qk_rope_head_dim``,
+``rope_scaling``) are accepted and folded the way transformers folds them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from ..errors import ConfigError
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+_DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
+_DEFAULT_NUM_HASH_LAYERS = 3
+
+
+class RopeParams(BaseModel):
+    """One rotary embedding: the plain ``default`` one or YaRN."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    rope_type: Literal["default", "yarn"] = "default"
+    rope_theta: float
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+
+class ModelConfig(BaseModel):
+    """What the DeepSeek-V4 model needs to know about its shape."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, protected_namespaces=())
+
+    model_type: str = "deepseek_v4"
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int = 1
+    head_dim: int
+    q_lora_rank: int
+    qk_rope_head_dim: int
+    num_experts_per_tok: int
+    n_routed_experts: int
+    n_shared_experts: int = 1
+    scoring_func: Literal["sqrtsoftplus", "sigmoid", "softmax"] = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: int = 1048576
+    layer_types: list[str]
+    mlp_layer_types: list[str]
+    compress_rates: dict[str, int]
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    swiglu_limit: float | None = 10.0
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    num_nextn_predict_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    rope_main: RopeParams
+    rope_compress: RopeParams
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        n = self.num_hidden_layers
+        for name, types, allowed in (("layer_types", self.layer_types, LAYER_TYPES), ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES)):
+            if len(types) != n:
+                raise ValueError(f"{name} has {len(types)} entries but num_hidden_layers is {n}; give one per layer")
+            bad = sorted({t for t in types if t not in allowed})
+            if bad:
+                raise ValueError(f"{name} holds {bad}; each entry must be one of {list(allowed)}")
+        if self.num_key_value_heads != 1:
+            raise ValueError(f"num_key_value_heads is {self.num_key_value_heads}; DeepSeek-V4 attention has one shared K=V head")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act is {self.hidden_act!r}; DeepSeek-V4 experts use 'silu'")
+        if (self.num_attention_heads * self.head_dim) % self.o_groups:
+            raise ValueError(f"o_groups={self.o_groups} does not divide num_attention_heads*head_dim={self.num_attention_heads * self.head_dim}")
+        if self.qk_rope_head_dim % 2 or not 0 <= self.qk_rope_head_dim <= self.head_dim:
+            raise ValueError(f"the rope dim {self.qk_rope_head_dim} must be even and at most head_dim={self.head_dim}")
+        for t in (CSA, HCA):
+            if t in self.layer_types and self.compress_rates.get(t, 0) <= 0:
+                raise ValueError(f"compress_rates[{t!r}] must be a positive integer")
+        return self
+
+    def compress_ratio(self, layer_type: str) -> int:
+        """Source tokens per compressed entry of ``layer_type`` (0 for sliding-window layers)."""
+        return 0 if layer_type == SLIDING else self.compress_rates[layer_type]
+
+    @property
+    def num_hash_layers(self) -> int:
+        return sum(t == "hash_moe" for t in self.mlp_layer_types)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Parse a raw ``config.json`` mapping; bad or unsupported values raise ``ConfigError``."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"config.json has model_type {model_type!r}, which this engine does not run; "
+                f"use a checkpoint with model_type {' or '.join(map(repr, SUPPORTED_MODEL_TYPES))}"
+            )
+        try:
+            return cls.model_validate(_fold_legacy(dict(raw)))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            if err["type"] == "value_error":
+                detail = str(err["msg"]).removeprefix("Value error, ")
+            else:
+                detail = f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+            raise ConfigError(f"invalid DeepSeek-V4 config.json: {detail}") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"invalid DeepSeek-V4 config.json: {exc}") from None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+        """Read and parse ``model_dir/config.json``."""
+        from ..loader import read_config
+
+        return cls.from_hf(read_config(model_dir))
+
+
+def _fold_legacy(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fold legacy and flat fields into the fields ``ModelConfig`` declares."""
+    for key in ("num_hidden_layers", "head_dim"):
+        if key not in raw:
+            raise ValueError(f"the field {key!r} is missing")
+    n = raw["num_hidden_layers"]
+
+    rates = dict(_DEFAULT_COMPRESS_RATES)
+    rates.update(raw.get("compress_rates") or {})
+    if raw.get("compress_rate_csa") is not None:
+        rates[CSA] = raw["compress_rate_csa"]
+    if raw.get("compress_rate_hca") is not None:
+        rates[HCA] = raw["compress_rate_hca"]
+    raw["compress_rates"] = rates
+
+    if raw.get("layer_types") is None and raw.get("compress_ratios") is not None:
+        by_ratio = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
+        unknown = sorted({r for r in raw["compress_ratios"] if r not in by_ratio})
+        if unknown:
+            raise ValueError(f"compress_ratios holds {unknown}; each must be 0, {rates[CSA]} (CSA) or {rates[HCA]} (HCA)")
+        raw["layer_types"] = [by_ratio[r] for r in raw["compress_ratios"]]
+    if raw.get("layer_types") is None:
+        raw["layer_types"] = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+    raw["layer_types"] = list(raw["layer_types"])[:n]
+
+    if raw.get("mlp_layer_types") is None:
+        n_hash = raw.get("num_hash_layers")
+        n_hash = _DEFAULT_NUM_HASH_LAYERS if n_hash is None else n_hash
+        raw["mlp_layer_types"] = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    raw["mlp_layer_types"] = list(raw["mlp_layer_types"])[:n]
+
+    head_dim = raw["head_dim"]
+    factor = raw.get("partial_rotary_factor")
+    if factor is None:
+        legacy = raw.get("qk_rope_head_dim")
+        factor = legacy / head_dim if legacy is not None else 64 / 512
+    raw["qk_rope_head_dim"] = int(head_dim * factor)
+
+    rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        main, compress = dict(rp["main"]), dict(rp["compress"])
+    else:
+        scaling = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+        if raw.get("rope_scaling") and raw.get("rope_parameters"):
+            scaling = {**raw["rope_scaling"], **scaling}
+        main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
+        compress = {**scaling, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
+        compress.setdefault("rope_type", compress.get("type", "default"))
+        if compress["rope_type"] == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+    for params in (main, compress):
+        params.setdefault("rope_type", params.get("type", "default"))
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+        if params["rope_type"] not in ("default", "yarn"):
+            raise ValueError(f"rope_type {params['rope_type']!r} is not supported; DeepSeek-V4 uses 'default' or 'yarn'")
+        if params["rope_type"] == "yarn":
+            params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 1048576))
+    raw["rope_main"], raw["rope_compress"] = main, compress
+    return raw

@@ -1,0 +1,110 @@
+"""The DeepSeek-V4 causal LM, built from ``Kernels`` ops over a flattened batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deepinfer_interfaces import Communicator, Kernels
+
+from ..errors import ConfigError
+from .batch import Batch
+from .cache import ModelCache
+from .config import ModelConfig
+from .layer import DecoderLayer
+from .metadata import LayerMeta, build_layer_meta
+from .params import ParamTree
+from .rope import Rotary
+
+
+class DeepseekV4Model(ParamTree):
+    """Parameters (named as the checkpoint's keys) and the forward step.
+
+    Weights in ``dtype`` except those V4 keeps in fp32 (norms, hyper-connections,
+    sinks, compressor position biases, router correction bias); ``tid2eid`` is
+    int64. Parameters are allocated uninitialised: load them with
+    ``load_weights(model.named_parameters(), dir)`` or use ``from_pretrained``.
+    ``communicator`` is kept for expert parallelism; with it (world size > 1)
+    the model refuses to run until expert sharding lands, rather than
+    computing every expert on every rank.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        kernels: Kernels,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        communicator: Communicator | None = None,
+    ) -> None:
+        super().__init__(device)
+        if communicator is not None and communicator.world_size > 1:
+            raise ConfigError(
+                f"expert parallelism over {communicator.world_size} ranks is not supported by the model yet; run with expert_parallel_size=1"
+            )
+        self.config = config
+        self.kernels = kernels
+        self.dtype = dtype
+        self.communicator = communicator
+        c = config
+        n, d = c.hc_mult, c.hidden_size
+        body = self.child("model", ParamTree(device))
+        self.embed = body.param("embed_tokens.weight", (c.vocab_size, d), dtype)
+        self.layers = [DecoderLayer(c, i, dtype, device) for i in range(c.num_hidden_layers)]
+        for i, layer in enumerate(self.layers):
+            body.child(f"layers.{i}", layer)
+        self.norm = body.param("norm.weight", (d,), torch.float32)
+        self.hc_fn = body.param("hc_head.hc_fn", (n, n * d), torch.float32)
+        self.hc_base = body.param("hc_head.hc_base", (n,), torch.float32)
+        self.hc_scale = body.param("hc_head.hc_scale", (1,), torch.float32)
+        self.head = self.embed if c.tie_word_embeddings else self.param("head.weight", (c.vocab_size, d), dtype)
+        self.rope_main = Rotary(c.rope_main, c.qk_rope_head_dim, c.max_position_embeddings, device)
+        self.rope_compress = Rotary(c.rope_compress, c.qk_rope_head_dim, c.max_position_embeddings, device)
+        #: checkpoint tensors kept aside by ``from_pretrained`` (the ``mtp.*`` draft layers)
+        self.extra_tensors: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        kernels: Kernels,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        communicator: Communicator | None = None,
+    ) -> "DeepseekV4Model":
+        """Build from ``model_dir/config.json`` and load every checkpoint tensor."""
+        from ..loader import load_weights, read_config
+
+        model = cls(ModelConfig.from_hf(read_config(model_dir)), kernels, dtype=dtype, device=device, communicator=communicator)
+        model.extra_tensors = load_weights(model.named_parameters(), model_dir, keep_prefixes=("mtp.",))
+        return model
+
+    def layer_metadata(self, batch: Batch, cache: ModelCache) -> dict[str, LayerMeta]:
+        """Slots and rotary angles for each layer type present, computed once per step."""
+        return {
+            lt: build_layer_meta(lt, batch, cache, self.config, self.rope_main, self.rope_compress)
+            for lt in dict.fromkeys(self.config.layer_types)
+        }
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, cache: ModelCache) -> torch.Tensor:
+        """Run one step: write every layer's state for the batch's tokens into
+        ``cache`` and return ``[len(batch.logits_indices), vocab]`` logits in the
+        model dtype."""
+        k = self.kernels
+        c = self.config
+        cache.begin_forward(batch)
+        metas = self.layer_metadata(batch, cache)
+        x = self.embed[batch.input_ids]
+        streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(k, streams, batch.input_ids, metas[layer.layer_type], cache)
+        rows = streams[batch.logits_indices]
+        h = k.mhc_head(rows, self.hc_fn, self.hc_base, self.hc_scale, c.rms_norm_eps, c.hc_eps)
+        h = k.rms_norm(h, self.norm, c.rms_norm_eps)
+        return h @ self.head.t()
+
+    __call__ = forward

@@ -1,0 +1,103 @@
+"""Manifold-constrained hyper-connections (mHC): mixing ``n`` residual streams."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import acc_dtype, op
+
+
+def _mix_logits(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, acc: torch.dtype) -> torch.Tensor:
+    """Unweighted RMS norm of the flattened streams, then the linear map ``fn``."""
+    flat = x.flatten(1).to(acc)
+    flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    return flat @ fn.to(acc).t()
+
+
+class MHCOps:
+    @op
+    def mhc_pre(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Weights of one hyper-connection and the block input they collapse.
+
+        ``x`` is ``[T, n, D]`` (``n`` residual streams per token), ``fn``
+        ``[(2+n)·n, n·D]``, ``base`` ``[(2+n)·n]``, ``scale`` ``[3]``. With
+        ``u = rmsnorm(flatten(x), eps=norm_eps) @ fnᵀ`` split into
+        ``(u_pre [n], u_post [n], u_comb [n·n])`` and ``base`` likewise::
+
+            pre  = sigmoid(u_pre · scale[0] + base_pre) + hc_eps
+            post = 2 · sigmoid(u_post · scale[1] + base_post)
+            comb = softmax_k(u_comb · scale[2] + base_comb) + hc_eps     (as [n, n] = [j, k])
+
+        then Sinkhorn normalisation of ``comb``: divide each column (sum over
+        ``j``) by its sum ``+ hc_eps``, then ``sinkhorn_iters − 1`` times divide
+        rows (sum over ``k``) then columns likewise. ``comb[j, k]`` is the share
+        of input stream ``j`` in output stream ``k`` (see ``mhc_post``).
+
+        Returns ``collapsed = Σ_j pre_j · x_j`` ``[T, D]`` in ``x.dtype``, and
+        ``post`` ``[T, n]`` and ``comb`` ``[T, n, n]`` in fp32 (fp64 for fp64 x).
+        """
+        acc = acc_dtype(x)
+        n = x.shape[1]
+        u = _mix_logits(x, fn, norm_eps, acc)
+        u_pre, u_post, u_comb = u.split([n, n, n * n], dim=-1)
+        b = base.to(acc)
+        b_pre, b_post, b_comb = b.split([n, n, n * n])
+        s = scale.to(acc)
+        pre = torch.sigmoid(u_pre * s[0] + b_pre) + hc_eps
+        post = 2 * torch.sigmoid(u_post * s[1] + b_post)
+        comb = torch.softmax(u_comb.view(-1, n, n) * s[2] + b_comb.view(n, n), dim=-1) + hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        for _ in range(sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        collapsed = (pre[..., None] * x.to(acc)).sum(dim=1)
+        return collapsed.to(x.dtype), post, comb
+
+    @op
+    def mhc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """Expand a block's output back into ``n`` streams and add the mixed residual.
+
+        ``y`` ``[T, D]`` is the block output, ``x`` ``[T, n, D]`` the streams that
+        entered the block, ``post`` ``[T, n]`` and ``comb`` ``[T, n, n]`` from
+        ``mhc_pre``::
+
+            out[t, k] = post[t, k] · y[t] + Σ_j comb[t, j, k] · x[t, j]
+
+        Computed in fp32 (fp64 for fp64 x), returned in ``x.dtype``.
+        """
+        acc = acc_dtype(x)
+        mixed = torch.einsum("tjk,tjd->tkd", comb.to(acc), x.to(acc))
+        return (post.to(acc)[..., None] * y.to(acc)[:, None, :] + mixed).to(x.dtype)
+
+    @op
+    def mhc_head(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+    ) -> torch.Tensor:
+        """The final collapse of ``n`` streams into one hidden state.
+
+        ``x`` ``[T, n, D]``, ``fn`` ``[n, n·D]``, ``base`` ``[n]``, ``scale`` ``[1]``::
+
+            pre = sigmoid((rmsnorm(flatten(x), eps=norm_eps) @ fnᵀ) · scale + base) + hc_eps
+            out = Σ_j pre_j · x_j
+
+        Computed in fp32 (fp64 for fp64 x), returned ``[T, D]`` in ``x.dtype``.
+        """
+        acc = acc_dtype(x)
+        u = _mix_logits(x, fn, norm_eps, acc)
+        pre = torch.sigmoid(u * scale.to(acc) + base.to(acc)) + hc_eps
+        return (pre[..., None] * x.to(acc)).sum(dim=1).to(x.dtype)
