@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,14 +23,15 @@ from .detokenizer import IncrementalDetokenizer, find_stop
 from .errors import ConfigError, DeepInferError
 from .kv_cache_manager import KVCacheManager
 from .loader import load_tokenizer, read_generation_config
-from .model_runner import ModelRunner, StepInput
+from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .registry import select_backend
 from .request import Request, RequestStatus
-from .sampler import Sampler, to_logprobs, top_logprobs
+from .sampler import Sampler, to_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
 from .stats import EngineStats
+from .worker import DeviceWorker, StepPlan, StepResult
 
 log = logging.getLogger("deepinfer")
 
@@ -66,6 +69,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.worker = DeviceWorker(self.runner, self.sampler, threaded=config.overlap_scheduling)
+        self._inflight: deque[tuple[StepPlan, Future]] = deque()
+        #: request id -> index among the last planned step's samples (placeholder sources)
+        self._prev_sample_index: dict[str, int] = {}
 
     # ----- requests -----
 
@@ -107,6 +114,7 @@ class Engine:
         req.state["detok"] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(req.prompt_token_ids)
+        req.max_total_tokens = min(len(req.prompt_token_ids) + params.max_tokens, self.max_model_len)
         self.scheduler.add(req)
         return req
 
@@ -119,69 +127,107 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._inflight)
 
     # ----- stepping -----
 
-    def _logit_offsets(self, chunk) -> list[int]:
-        req = chunk.request
-        if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens:
-            return list(range(chunk.num_tokens))
-        return [chunk.num_tokens - 1] if chunk.samples else []
-
-    def step(self) -> list[Request]:
-        """Run one scheduler step; return the requests that produced tokens or finished."""
-        t0 = time.perf_counter()
+    def _plan(self) -> tuple[StepPlan | None, list[Request]]:
+        """Schedule the next step and describe it for the device; also return preempted requests."""
         out = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        self.stats.schedule_seconds += t1 - t0
         self.stats.preemptions += len(out.preempted)
-        changed: list[Request] = list(out.preempted)
         if not out.chunks:
-            if self.scheduler.waiting and not self.scheduler.running:
-                req = self.scheduler.waiting[0]
-                self._fail(req, f"the request needs {self.kv.blocks_for(req.num_tokens)} cache blocks but the cache has {self.kv.pool.num_blocks}; raise kv_cache_memory")
-                changed.append(req)
-            return changed
+            return None, list(out.preempted)
         now = time.monotonic()
-        offsets = [self._logit_offsets(c) for c in out.chunks]
-        slots = [self.kv.slots[c.request.request_id] for c in out.chunks]
-        tables = {s: self.kv.tables[c.request.request_id] for s, c in zip(slots, out.chunks)}
-        logits = self.runner.execute(StepInput(out.chunks, offsets), slots, tables)
-        t2 = time.perf_counter()
-        self.stats.forward_seconds += t2 - t1
-        self.stats.steps += 1
-        self.stats.computed_tokens += out.num_tokens
-        row = 0
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        for chunk, offs in zip(out.chunks, offsets):
-            req = chunk.request
+        prev_index = self._prev_sample_index
+        tokens, placeholders, offsets, slots, tables = [], [], [], [], {}
+        sample_rows, sample_reqs, prompt_rows = [], [], []
+        flat = row = 0
+        for c in out.chunks:
+            req = c.request
+            toks = req.token_slice(c.start, c.num_tokens)
+            for j, t in enumerate(toks):
+                if t < 0:
+                    placeholders.append((flat + j, prev_index[req.request_id]))
+            wants_prompt = req.params.prompt_logprobs is not None and c.start < req.num_prompt_tokens
+            offs = list(range(c.num_tokens)) if wants_prompt else ([c.num_tokens - 1] if c.samples else [])
+            if wants_prompt:
+                n = min(c.num_tokens, req.num_prompt_tokens - 1 - c.start)
+                if n > 0:
+                    prompt_rows.append((req, c.start, row, n))
+            if c.samples:
+                sample_rows.append(row + len(offs) - 1)
+                sample_reqs.append(req)
+            slot = self.kv.slots[req.request_id]
+            tokens.append(toks)
+            offsets.append(offs)
+            slots.append(slot)
+            tables[slot] = list(self.kv.tables[req.request_id])
+            flat += c.num_tokens
+            row += len(offs)
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
                 self.stats.prompt_tokens += req.num_prompt_tokens
                 self.stats.cached_tokens += req.num_cached_tokens
-            if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens:
-                self._prompt_logprobs(req, chunk.start, logits[row : row + len(offs)])
-            if chunk.samples:
-                sample_rows.append(row + len(offs) - 1)
-                sample_reqs.append(req)
-            row += len(offs)
-            req.num_computed_tokens += chunk.num_tokens
-            self.kv.commit(req)
-        if sample_reqs:
-            rows = logits[sample_rows]
-            tokens = self.sampler.sample(rows, sample_reqs)
-            want = [r.params.logprobs for r in sample_reqs]
-            lps = top_logprobs(rows, max(w or 0 for w in want), tokens) if any(w is not None for w in want) else None
-            for i, (req, tok) in enumerate(zip(sample_reqs, tokens.tolist())):
-                if lps is not None and req.params.logprobs is not None:
-                    keep = self._trim(lps[i], req.params.logprobs, tok)
-                    req.logprobs.extend(to_logprobs([keep], self._decode_one))
-                self._append(req, tok)
-                changed.append(req)
-        self.stats.generated_tokens += len(sample_reqs)
+            req.num_computed_tokens += c.num_tokens
+            if c.samples:
+                req.num_pending += 1
+        self._prev_sample_index = {r.request_id: i for i, r in enumerate(sample_reqs)}
+        ks = [r.params.logprobs for r in sample_reqs if r.params.logprobs is not None]
+        plan = StepPlan(
+            out.chunks, tokens, placeholders, offsets, slots, tables, sample_rows, sample_reqs,
+            max(ks) if ks else None, prompt_rows,
+        )
+        self.stats.steps += 1
+        self.stats.computed_tokens += out.num_tokens
+        return plan, list(out.preempted)
+
+    def step(self) -> list[Request]:
+        """Advance by one step; return the requests that produced tokens, finished or were preempted.
+
+        With overlap scheduling the next step is scheduled and handed to the
+        device before this step's tokens are read back, so a stop condition is
+        seen one step late; the extra token it cost is discarded.
+        """
+        t0 = time.perf_counter()
+        plan, changed = self._plan()
+        self.stats.schedule_seconds += time.perf_counter() - t0
+        if plan is not None:
+            self._inflight.append((plan, self.worker.submit(plan)))
+        elif not self._inflight and self.scheduler.waiting and not self.scheduler.running:
+            req = self.scheduler.waiting[0]
+            self._fail(req, f"the request needs {self.kv.blocks_for(req.num_tokens)} cache blocks but the cache has {self.kv.pool.num_blocks}; raise kv_cache_memory")
+            changed.append(req)
+        keep = 1 if (self.config.overlap_scheduling and plan is not None) else 0
+        while len(self._inflight) > keep:
+            done_plan, fut = self._inflight.popleft()
+            t1 = time.perf_counter()
+            result = fut.result()
+            self.stats.idle_wait_seconds += time.perf_counter() - t1
+            self.stats.forward_seconds += result.forward_seconds
+            changed.extend(self._apply(done_plan, result))
         self.stats.wall_seconds += time.perf_counter() - t0
+        return changed
+
+    def _apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Take a finished step's tokens into the requests: log-probabilities, stop conditions, cache commits."""
+        changed: list[Request] = []
+        for req, start, rows in result.prompt_logprobs:
+            for j, r in enumerate(rows):
+                target = req.prompt_token_ids[start + 1 + j]
+                req.prompt_logprobs[start + 1 + j] = to_logprobs([self._trim(r, req.params.prompt_logprobs, target)], self._decode_one)[0]
+        for i, (req, tok) in enumerate(zip(plan.sample_reqs, result.token_list)):
+            req.num_pending -= 1
+            if req.finished:
+                continue  # stopped a step ago: this token was computed ahead and is dropped
+            if result.logprob_rows is not None and req.params.logprobs is not None:
+                keep = self._trim(result.logprob_rows[i], req.params.logprobs, tok)
+                req.logprobs.extend(to_logprobs([keep], self._decode_one))
+            self._append(req, tok)
+            changed.append(req)
+        for c in plan.chunks:
+            if not c.request.finished:
+                self.kv.commit(c.request)
+        self.stats.generated_tokens += len(changed)
         return changed
 
     def stats_line(self) -> str:
@@ -193,17 +239,6 @@ class Engine:
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
-        """Row j of ``logits`` predicts prompt token ``start + j + 1``."""
-        n = min(logits.shape[0], req.num_prompt_tokens - 1 - start)
-        if n <= 0:
-            return
-        targets = torch.tensor(req.prompt_token_ids[start + 1 : start + 1 + n], device=logits.device)
-        rows = top_logprobs(logits[:n], req.params.prompt_logprobs, targets)
-        for j, r in enumerate(rows):
-            keep = self._trim(r, req.params.prompt_logprobs, int(targets[j]))
-            req.prompt_logprobs[start + 1 + j] = to_logprobs([keep], self._decode_one)[0]
 
     def _append(self, req: Request, token: int) -> None:
         now = time.monotonic()

@@ -32,7 +32,7 @@ class KVCacheManager:
 
     def prefix_hit(self, req: Request) -> list[int]:
         """Cached blocks covering the longest cached prefix, leaving at least one token to compute."""
-        hashes = chain_hashes(req.all_token_ids[: req.num_tokens - 1], self.block_size, self.salt)
+        hashes = chain_hashes(req.all_token_ids[: req.num_known_tokens - 1], self.block_size, self.salt)
         return self.pool.lookup(hashes)
 
     def allocate(self, req: Request, num_tokens: int, hit: list[int] | None = None) -> bool:
@@ -64,7 +64,7 @@ class KVCacheManager:
         hashes = self._hashes.get(req.request_id)
         if hashes is None:
             return
-        full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
         if full > len(hashes):
             start = len(hashes)
             parent = hashes[-1] if hashes else None

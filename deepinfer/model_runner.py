@@ -19,7 +19,6 @@ from .model.batch import Batch
 from .model.model import DeepseekV4Model
 from .paged_cache import PagedModelCache, block_size_for
 from .registry import SelectedBackend
-from .scheduler import ScheduledChunk
 
 log = logging.getLogger("deepinfer")
 
@@ -47,13 +46,6 @@ class CachePlan:
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({self.token_capacity} tokens of compressed state) "
             f"+ {self.num_slots} sequence slots, {self.budget / mib:.1f} MiB budget"
         )
-
-
-@dataclass
-class StepInput:
-    chunks: list[ScheduledChunk]
-    #: per chunk, the offsets within the chunk whose logits are returned
-    logit_offsets: list[list[int]]
 
 
 class ModelRunner:
@@ -110,9 +102,21 @@ class ModelRunner:
             )
         return CachePlan(block_size, int(num_blocks), slots, per_block, per_slot, budget)
 
-    def execute(self, step: StepInput, slots: list[int], tables: dict[int, list[int]]) -> torch.Tensor:
-        """Run the chunks; return the logits (fp32) of the requested rows, chunk by chunk in order."""
-        tokens = [c.request.all_token_ids[c.start : c.start + c.num_tokens] for c in step.chunks]
-        batch = Batch.build(tokens, slots, [c.start for c in step.chunks], step.logit_offsets, device=self.torch_device)
+    def execute(
+        self,
+        tokens: list[list[int]],
+        starts: list[int],
+        offsets: list[list[int]],
+        slots: list[int],
+        tables: dict[int, list[int]],
+        fix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run one step; return the fp32 logits of the requested rows, sequence by sequence.
+
+        ``fix`` = (flat positions, token ids on the device) fills placeholder tokens.
+        """
+        batch = Batch.build(tokens, slots, starts, offsets, device=self.torch_device)
+        if fix is not None:
+            batch.input_ids[fix[0]] = fix[1]
         self.cache.set_block_tables(tables)
         return self.model.forward(batch, self.cache).float()

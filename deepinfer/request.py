@@ -25,8 +25,12 @@ class Request:
     params: SamplingParams
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    #: tokens (prompt then output) whose state is in the cache
+    #: tokens (prompt then output) whose state is in the cache, or being computed
     num_computed_tokens: int = 0
+    #: tokens sampled on the device that the host has not seen yet (overlap scheduling)
+    num_pending: int = 0
+    #: prompt + output tokens after which the request stops (max_tokens or max_model_len)
+    max_total_tokens: int = 1 << 62
     #: prompt tokens found in the prefix cache when last scheduled
     num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -41,11 +45,27 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Every token the host knows: the prompt, then the output so far."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
+        """Known tokens plus those sampled but not yet seen by the host."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """Tokens ``[start, start + n)``, with -1 for positions still pending on the device."""
+        known = self.all_token_ids[start : start + n]
+        return known + [-1] * (n - len(known))
+
+    @property
+    def at_limit(self) -> bool:
+        """Whether it has (or will have, once pending tokens land) every token it may produce."""
+        return self.num_tokens >= self.max_total_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,7 +20,7 @@ def top_logprobs(logits: torch.Tensor, k: int, chosen: torch.Tensor) -> list[dic
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen_lp = logp.gather(-1, chosen[:, None])
     ranks = (logp > chosen_lp).sum(-1) + 1
-    top_v, top_i = logp.topk(min(k, logp.shape[-1]), dim=-1) if k > 0 else (logp[:, :0], chosen[:, :0])
+    top_v, top_i = logp.topk(min(k, logp.shape[-1]), dim=-1)
     out = []
     for r in range(logits.shape[0]):
         row = {int(i): (float(v), j + 1) for j, (v, i) in enumerate(zip(top_v[r].tolist(), top_i[r].tolist()))}
@@ -47,14 +47,23 @@ class Sampler:
             gen = req.state["generator"] = self.device.generator(req.params.seed)
         return gen
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request], bitmask: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per row of ``logits`` (``[B, V]``, one row per request in ``reqs``)."""
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Request], bitmask: tuple[torch.Tensor, list[int]] | None = None
+    ) -> torch.Tensor:
+        """One token per row of ``logits`` (``[B, V]``, one row per request in ``reqs``).
+
+        ``bitmask`` = (``[len(rows), words]`` grammar masks, the rows they constrain);
+        unconstrained rows are not touched.
+        """
         dev = logits.device
         b, vocab = logits.shape
         if b == 0:
             return torch.empty(0, dtype=torch.int64, device=dev)
-        if bitmask is not None:
-            logits = self.kernels.apply_token_bitmask(logits.clone(), bitmask)
+        if bitmask is not None and bitmask[1]:
+            mask, rows = bitmask
+            idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+            logits = logits.clone()
+            logits[idx] = self.kernels.apply_token_bitmask(logits[idx], mask)
         p = [r.params for r in reqs]
         temperature = torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev)
         top_k = torch.tensor([x.top_k for x in p], dtype=torch.int64, device=dev)

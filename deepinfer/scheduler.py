@@ -72,6 +72,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.at_limit or req.num_computed_tokens >= req.num_tokens:
+                i += 1  # finishes once its pending tokens land; nothing to compute
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
             while not self.kv.allocate(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
