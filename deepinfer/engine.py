@@ -23,6 +23,7 @@ from .detokenizer import IncrementalDetokenizer, find_stop
 from .errors import ConfigError, DeepInferError
 from .kv_cache_manager import KVCacheManager
 from .loader import load_tokenizer, read_generation_config
+from .model.config import CSA, ModelConfig
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .registry import select_backend
@@ -47,6 +48,24 @@ def resolve_model_dir(model: str | None) -> Path:
     return BUNDLED_MODEL
 
 
+def replay_length(config: ModelConfig, mode: str) -> int:
+    """Tokens recomputed before a prefix hit to rebuild the state that is not cached.
+
+    The sliding-window K=V ring and the compressors' partial windows depend on
+    every earlier token, so they are not content-addressed. ``bounded`` replays
+    the last W tokens (W = the sliding window), their attention seeing only the
+    cached compressed context: fixed cost, approximate. ``exact`` replays the
+    window's receptive field through all layers (W per layer, plus the
+    overlapping compressor's two windows), after which the rebuilt state equals
+    a full prefill's.
+    """
+    w = config.sliding_window
+    if mode == "bounded":
+        return w
+    csa = config.compress_ratio(CSA) if CSA in config.layer_types else 0
+    return config.num_hidden_layers * w + 2 * csa
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -61,10 +80,11 @@ class Engine:
         eos = gen.get("eos_token_id", mc.eos_token_id)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         plan = self.runner.plan
-        # the sliding-window ring is not content-addressed: reusing cached blocks needs the
-        # window rebuilt by replay, so blocks are shared only once replay is in place
-        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, plan.num_slots, enable_prefix_caching=False)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens)
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, plan.num_slots, config.enable_prefix_caching)
+        self.replay_tokens = replay_length(mc, config.swa_replay)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start
+        )
         self.sampler = Sampler(self.backend.kernels, self.backend.device, config.seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -73,6 +93,12 @@ class Engine:
         self._inflight: deque[tuple[StepPlan, Future]] = deque()
         #: request id -> index among the last planned step's samples (placeholder sources)
         self._prev_sample_index: dict[str, int] = {}
+
+    def _replay_start(self, hit: int) -> int | None:
+        """Where a request with ``hit`` cached tokens starts computing; None: the hit is too short
+        to save anything over a full prefill, so the request is prefilled from scratch."""
+        start = hit - self.replay_tokens
+        return start if start > 0 else None
 
     # ----- requests -----
 
@@ -139,7 +165,7 @@ class Engine:
             return None, list(out.preempted)
         now = time.monotonic()
         prev_index = self._prev_sample_index
-        tokens, placeholders, offsets, slots, tables = [], [], [], [], {}
+        tokens, placeholders, offsets, slots, tables, floors, frozen = [], [], [], [], {}, {}, {}
         sample_rows, sample_reqs, prompt_rows = [], [], []
         flat = row = 0
         for c in out.chunks:
@@ -162,19 +188,24 @@ class Engine:
             offsets.append(offs)
             slots.append(slot)
             tables[slot] = list(self.kv.tables[req.request_id])
+            floors[slot] = req.state_floor
+            frozen[slot] = req.num_cached_tokens
             flat += c.num_tokens
             row += len(offs)
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
                 self.stats.prompt_tokens += req.num_prompt_tokens
+            if c.start == req.state_floor and req.num_cached_tokens:
+                # first chunk after a prefix hit
                 self.stats.cached_tokens += req.num_cached_tokens
+                self.stats.replayed_tokens += req.num_cached_tokens - req.state_floor
             req.num_computed_tokens += c.num_tokens
             if c.samples:
                 req.num_pending += 1
         self._prev_sample_index = {r.request_id: i for i, r in enumerate(sample_reqs)}
         ks = [r.params.logprobs for r in sample_reqs if r.params.logprobs is not None]
         plan = StepPlan(
-            out.chunks, tokens, placeholders, offsets, slots, tables, sample_rows, sample_reqs,
+            out.chunks, tokens, placeholders, offsets, slots, tables, floors, frozen, sample_rows, sample_reqs,
             max(ks) if ks else None, prompt_rows,
         )
         self.stats.steps += 1

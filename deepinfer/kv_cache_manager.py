@@ -31,7 +31,12 @@ class KVCacheManager:
         return bool(self._free_slots)
 
     def prefix_hit(self, req: Request) -> list[int]:
-        """Cached blocks covering the longest cached prefix, leaving at least one token to compute."""
+        """Cached blocks covering the longest cached prefix, leaving at least one token to compute.
+
+        Requests that want prompt log-probabilities get none: every prompt position must be computed.
+        """
+        if req.params.prompt_logprobs is not None:
+            return []
         hashes = chain_hashes(req.all_token_ids[: req.num_known_tokens - 1], self.block_size, self.salt)
         return self.pool.lookup(hashes)
 

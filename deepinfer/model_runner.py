@@ -108,15 +108,14 @@ class ModelRunner:
         starts: list[int],
         offsets: list[list[int]],
         slots: list[int],
-        tables: dict[int, list[int]],
         fix: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Run one step; return the fp32 logits of the requested rows, sequence by sequence.
+        """Run one step (block tables already installed in ``self.cache``); return the
+        fp32 logits of the requested rows, sequence by sequence.
 
         ``fix`` = (flat positions, token ids on the device) fills placeholder tokens.
         """
         batch = Batch.build(tokens, slots, starts, offsets, device=self.torch_device)
         if fix is not None:
             batch.input_ids[fix[0]] = fix[1]
-        self.cache.set_block_tables(tables)
         return self.model.forward(batch, self.cache).float()

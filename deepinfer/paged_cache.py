@@ -74,6 +74,12 @@ class PagedModelCache(ModelCache):
             self._index.append(index)
         self._host_tables = torch.full((num_slots, max_blocks_per_seq), -1, dtype=torch.int64)
         self.block_tables = self._host_tables.to(device)
+        # per slot: first position whose window / compressor state this sequence wrote itself
+        # (replay after a prefix hit starts late), and how many leading tokens' entries are shared
+        self._host_floor = torch.zeros(num_slots, dtype=torch.int64)
+        self._host_frozen = torch.zeros(num_slots, dtype=torch.int64)
+        self.floor = self._host_floor.to(device)
+        self.frozen = self._host_frozen.to(device)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -102,13 +108,18 @@ class PagedModelCache(ModelCache):
                     total += 2 * cap * 2 * config.index_head_dim
         return total * item
 
-    def set_block_tables(self, tables: dict[int, list[int]]) -> None:
-        """Install the block tables of the sequences in the next step (slot -> block ids)."""
+    def set_sequences(self, tables: dict[int, list[int]], floors: dict[int, int], frozen: dict[int, int]) -> None:
+        """Install, for the sequences of the next step (by slot): block tables, the first
+        position of state they computed themselves, and the tokens whose entries are shared."""
         for slot, blocks in tables.items():
             row = self._host_tables[slot]
             row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
             row[len(blocks) :] = -1
+            self._host_floor[slot] = floors.get(slot, 0)
+            self._host_frozen[slot] = frozen.get(slot, 0)
         self.block_tables.copy_(self._host_tables, non_blocking=True)
+        self.floor.copy_(self._host_floor, non_blocking=True)
+        self.frozen.copy_(self._host_frozen, non_blocking=True)
 
     def kv_pool(self, layer: int) -> torch.Tensor:
         return self._kv[layer]
@@ -119,13 +130,14 @@ class PagedModelCache(ModelCache):
     def index_pool(self, layer: int) -> torch.Tensor:
         return self._index[layer]
 
-    @staticmethod
-    def _valid(seqs: torch.Tensor, where: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return torch.where((where >= 0) & (seqs >= 0), rows, torch.full_like(rows, -1))
+    def _own(self, seqs: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Ring rows for positions this sequence computed itself; -1 elsewhere."""
+        floor = self.floor[seqs.clamp(min=0)]
+        return torch.where((positions >= floor) & (positions >= 0) & (seqs >= 0), rows, torch.full_like(rows, -1))
 
     def window_slots(self, layer_type: str, seqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cap = self.window_capacity
-        return self._valid(seqs, positions, seqs * cap + positions % cap)
+        return self._own(seqs, positions, seqs * cap + positions % cap)
 
     def _paged(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor, base: int) -> torch.Tensor:
         epb = self._epb[layer_type]
@@ -143,7 +155,17 @@ class PagedModelCache(ModelCache):
 
     def state_slots(self, layer_type: str, seqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cap = self._state_cap[layer_type]
-        return self._valid(seqs, positions, seqs * cap + positions % cap)
+        return self._own(seqs, positions, seqs * cap + positions % cap)
+
+    def _unshared(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        shared = self.frozen[seqs.clamp(min=0)] // self.config.compress_ratio(layer_type)
+        return torch.where(entries >= shared, rows, torch.full_like(rows, -1))
+
+    def entry_write_slots(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        return self._unshared(layer_type, seqs, entries, self.entry_slots(layer_type, seqs, entries))
+
+    def index_write_slots(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        return self._unshared(layer_type, seqs, entries, self.index_slots(layer_type, seqs, entries))
 
     def begin_forward(self, batch: Batch) -> None:
         """Every sequence's block table must already cover the tokens it brings."""

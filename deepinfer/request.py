@@ -31,8 +31,10 @@ class Request:
     num_pending: int = 0
     #: prompt + output tokens after which the request stops (max_tokens or max_model_len)
     max_total_tokens: int = 1 << 62
-    #: prompt tokens found in the prefix cache when last scheduled
+    #: prompt tokens found in the prefix cache when last scheduled (their entries are shared)
     num_cached_tokens: int = 0
+    #: first position whose sliding-window state this request computed itself (replay start)
+    state_floor: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

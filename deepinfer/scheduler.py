@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
@@ -41,8 +42,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_chunk: int | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_chunk: int | None = None,
+        replay_start: Callable[[int], int | None] = lambda hit: hit,
+    ) -> None:
+        """``replay_start(hit)`` gives the position from which a request whose first ``hit``
+        tokens are cached recomputes (to rebuild state that is not cached), or None when
+        the hit is not worth adopting."""
         self.kv = kv
+        self.replay_start = replay_start
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         #: most tokens of one sequence in one step
@@ -93,14 +105,18 @@ class Scheduler:
             if not self.kv.has_free_slot:
                 break
             hit = self.kv.prefix_hit(req)
-            start = len(hit) * self.kv.block_size
+            cached = len(hit) * self.kv.block_size
+            start = self.replay_start(cached) if hit else 0
+            if start is None:
+                hit, cached, start = [], 0, 0
             n = min(req.num_tokens - start, budget, self.max_chunk)
             if not self.kv.allocate(req, start + n, hit):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = start
-            req.num_cached_tokens = start
+            req.num_cached_tokens = cached
+            req.state_floor = start
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, start, n))
             budget -= n

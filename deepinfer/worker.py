@@ -43,6 +43,10 @@ class StepPlan:
     offsets: list[list[int]]
     slots: list[int]
     tables: dict[int, list[int]]
+    #: per slot: first position of window state the sequence computes itself (after a prefix hit)
+    floors: dict[int, int]
+    #: per slot: leading tokens whose compressed entries are shared from the prefix cache
+    frozen: dict[int, int]
     sample_rows: list[int]
     sample_reqs: list[Request]
     #: largest ``logprobs`` asked for among sampled requests (None: nobody asked)
@@ -92,7 +96,8 @@ class DeviceWorker:
             pos = torch.tensor([p for p, _ in plan.placeholders], dtype=torch.int64, device=dev)
             idx = torch.tensor([i for _, i in plan.placeholders], dtype=torch.int64, device=dev)
             fix = (pos, prev_tokens[idx])
-        logits = self.runner.execute(plan.tokens, [c.start for c in plan.chunks], plan.offsets, plan.slots, plan.tables, fix)
+        self.runner.cache.set_sequences(plan.tables, plan.floors, plan.frozen)
+        logits = self.runner.execute(plan.tokens, [c.start for c in plan.chunks], plan.offsets, plan.slots, fix)
         prompt_lps = []
         for req, start, row0, n in plan.prompt_rows:
             targets = torch.tensor(req.prompt_token_ids[start + 1 : start + 1 + n], device=logits.device)

@@ -71,7 +71,7 @@ def test_preemption_keeps_outputs_exact(ckpt, prompts, alone):
     budget = 8 * per_slot + blocks * per_block
     llm = LLM(
         model=str(ckpt), backend="cpu", kv_cache_memory=budget, max_model_len=max_len,
-        max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=step,
+        max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=step, enable_prefix_caching=False,
     )
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0

@@ -77,6 +77,18 @@ class ModelCache(ABC):
     def state_slots(self, layer_type: str, seqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows of ``state_pool`` holding the compressor projections of the tokens at ``positions``."""
 
+    def entry_write_slots(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Rows of ``kv_pool`` that newly emitted ``entries`` are written to; -1 keeps an entry as it is.
+
+        A cache that shares entries between sequences (prefix caching) returns -1
+        for entries it already holds, so recomputing tokens never overwrites them.
+        """
+        return self.entry_slots(layer_type, seqs, entries)
+
+    def index_write_slots(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Rows of ``index_pool`` that new indexer keys are written to; -1 keeps a key as it is."""
+        return self.index_slots(layer_type, seqs, entries)
+
 
 class ContiguousCache(ModelCache):
     """Each sequence slot owns fixed contiguous regions of every pool.

@@ -88,7 +88,7 @@ def build_layer_meta(
     if layer_type == CSA:
         prev = torch.where(src >= m, src - m, torch.full_like(src, -1))
         meta.emit_prev_rows = cache.state_slots(layer_type, seq_m, prev)
-    meta.emit_kv_slot = cache.entry_slots(layer_type, seq, entry)
+    meta.emit_kv_slot = cache.entry_write_slots(layer_type, seq, entry)
     meta.entry_cos, meta.entry_sin = rope_compress(first.clamp(min=0))
 
     n_entries = batch.max_context_len // m
@@ -97,6 +97,6 @@ def build_layer_meta(
     seq_n = seq[:, None].expand_as(visible)
     meta.visible_kv = cache.entry_slots(layer_type, seq_n, visible)
     if layer_type == CSA:
-        meta.emit_index_slot = cache.index_slots(layer_type, seq, entry)
+        meta.emit_index_slot = cache.index_write_slots(layer_type, seq, entry)
         meta.visible_index = cache.index_slots(layer_type, seq_n, visible)
     return meta
