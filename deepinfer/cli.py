@@ -20,9 +20,10 @@ from .errors import DeepInferError  # noqa: E402
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
-    from .registry import list_backends
+    from .registry import discover, list_backends
 
     statuses = list_backends()
+    kernel_sets = discover("kernels")
     if args.json:
         print(json.dumps([s.as_dict() for s in statuses], indent=2))
         return 0
@@ -33,6 +34,10 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         if parts:
             print(f"{'':<10} parts: {parts}; interface {s.interface_version}; package {s.package}")
             print(f"{'':<10} own kernels: {', '.join(s.overrides) if s.overrides else 'none (reference everywhere)'}")
+            kernel_set = kernel_sets.get(s.parts["kernels"])
+            paths = getattr(kernel_set.obj, "paths", None) if kernel_set else None
+            if callable(paths):  # a kernel set that says how each op runs (e.g. torch_npu fused op or Triton)
+                print(f"{'':<10} kernel paths: {', '.join(f'{op}={how}' for op, how in paths().items())}")
     return 0
 
 
@@ -62,9 +67,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
 
+    from .errors import ConfigError
+    from .sampling_params import StructuredOutputsParams
+
     prompts = _read_prompts(args)
+    structured = None
+    if args.json_schema:
+        try:
+            with open(args.json_schema) as f:
+                structured = StructuredOutputsParams(json=f.read())
+        except OSError as exc:
+            raise ConfigError(f"cannot read --json-schema {args.json_schema}: {exc.strerror}") from None
+    elif args.regex:
+        structured = StructuredOutputsParams(regex=args.regex)
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed_request
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed_request,
+        structured_outputs=structured,
     )
     overrides = {
         "backend": args.backend, "kernels": args.kernels, "interpret": args.interpret or None, "dtype": args.dtype,
@@ -122,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
+    p.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON matching this schema")
+    p.add_argument("--regex", help="constrain the output to this regular expression")
     p.add_argument("--stats", action="store_true", help="print engine statistics at the end")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
     p.set_defaults(func=_cmd_generate)

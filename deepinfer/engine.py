@@ -32,7 +32,8 @@ from .sampler import Sampler, to_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
 from .stats import EngineStats
-from .worker import DeviceWorker, StepPlan, StepResult
+from .structured_output import GrammarCompilerCache, allocate_bitmask
+from .worker import DeviceWorker, GrammarGate, StepPlan, StepResult
 
 log = logging.getLogger("deepinfer")
 
@@ -89,10 +90,18 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self._grammar_cache: GrammarCompilerCache | None = None
         self.worker = DeviceWorker(self.runner, self.sampler, threaded=config.overlap_scheduling)
         self._inflight: deque[tuple[StepPlan, Future]] = deque()
         #: request id -> index among the last planned step's samples (placeholder sources)
         self._prev_sample_index: dict[str, int] = {}
+
+    def _grammars(self) -> GrammarCompilerCache:
+        """The grammar compiler, built on the first constrained request (xgrammar loads slowly)."""
+        if self._grammar_cache is None:
+            eos = next(iter(sorted(self.eos_token_ids)), None)
+            self._grammar_cache = GrammarCompilerCache(self.tokenizer, self.vocab_size, eos)
+        return self._grammar_cache
 
     def _replay_start(self, hit: int) -> int | None:
         """Where a request with ``hit`` cached tokens starts computing; None: the hit is too short
@@ -131,6 +140,8 @@ class Engine:
             ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
             req.prompt_token_ids = ids
             self._validate(ids)
+            if params.structured_outputs is not None:
+                req.state["grammar"] = self._grammars().request_grammar(params.structured_outputs)
         except DeepInferError as exc:
             req.status = RequestStatus.FINISHED
             req.finish_reason = "abort"
@@ -208,9 +219,22 @@ class Engine:
             out.chunks, tokens, placeholders, offsets, slots, tables, floors, frozen, sample_rows, sample_reqs,
             max(ks) if ks else None, prompt_rows,
         )
+        constrained = [i for i, r in enumerate(sample_reqs) if "grammar" in r.state]
+        if constrained:
+            plan.grammar = GrammarGate(allocate_bitmask(len(constrained), self.vocab_size), constrained)
         self.stats.steps += 1
         self.stats.computed_tokens += out.num_tokens
         return plan, list(out.preempted)
+
+    @staticmethod
+    def _fill_grammar(plan: StepPlan) -> None:
+        """Write the constrained requests' masks; their grammars have seen every earlier token."""
+        gate = plan.grammar
+        if gate is None or gate.ready.is_set():
+            return
+        for j, i in enumerate(gate.rows):
+            plan.sample_reqs[i].state["grammar"].fill_bitmask(gate.bitmask, j)
+        gate.ready.set()
 
     def step(self) -> list[Request]:
         """Advance by one step; return the requests that produced tokens, finished or were preempted.
@@ -223,6 +247,8 @@ class Engine:
         plan, changed = self._plan()
         self.stats.schedule_seconds += time.perf_counter() - t0
         if plan is not None:
+            if not self._inflight:
+                self._fill_grammar(plan)  # nothing pending: the masks can be written now
             self._inflight.append((plan, self.worker.submit(plan)))
         elif not self._inflight and self.scheduler.waiting and not self.scheduler.running:
             req = self.scheduler.waiting[0]
@@ -236,6 +262,8 @@ class Engine:
             self.stats.idle_wait_seconds += time.perf_counter() - t1
             self.stats.forward_seconds += result.forward_seconds
             changed.extend(self._apply(done_plan, result))
+        for pending_plan, _ in self._inflight:
+            self._fill_grammar(pending_plan)  # the device waits for these before sampling
         self.stats.wall_seconds += time.perf_counter() - t0
         return changed
 
@@ -280,7 +308,13 @@ class Engine:
         if m.first_token_time is None:
             m.first_token_time = now
         reason: tuple[str, str | int | None] | None = None
-        if not p.ignore_eos and token in self.eos_token_ids:
+        grammar = req.state.get("grammar")
+        if grammar is not None and not grammar.accept(token):
+            self._fail(req, f"token {token} was sampled outside the output grammar (a kernel ignored the bitmask)")
+            return
+        if grammar is not None and grammar.is_terminated:
+            reason = ("stop", None)
+        elif not p.ignore_eos and token in self.eos_token_ids:
             reason = ("stop", None)
         elif token in p.stop_token_ids:
             reason = ("stop", token)

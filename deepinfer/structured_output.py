@@ -109,10 +109,11 @@ class GrammarCompilerCache:
     def _compile(self, kind: str, text: str) -> Any:
         c = self._compiler
         try:
+            # compact JSON: a weak model left free to emit whitespace can pad forever
             if kind == "json":
-                return c.compile_json_schema(text)
+                return c.compile_json_schema(text, any_whitespace=False)
             if kind == "json_object":
-                return c.compile_json_schema(json.dumps({"type": "object"}))
+                return c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
             if kind == "regex":
                 return c.compile_regex(text)
             if kind == "grammar" and not is_ebnf(text):
