@@ -1,0 +1,29 @@
+"""Shared helpers for the benchmark scripts: pick a model directory, make prompts."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def model_dir(arg: str | None, variant: str = "mixed") -> Path:
+    """``arg``, else the bundled model when present, else a tiny random checkpoint."""
+    if arg:
+        return Path(arg)
+    bundled = ROOT / "deepinfer" / "models" / "tiny-v4"
+    if (bundled / "config.json").is_file():
+        return bundled
+    sys.path.insert(0, str(ROOT))
+    from tests.helpers.checkpoints import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(Path(tempfile.mkdtemp()), variant)
+
+
+def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
