@@ -16,8 +16,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
-
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .errors import ConfigError, DeepInferError
@@ -161,6 +159,13 @@ class Engine:
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
             req.metrics.finished_time = time.monotonic()
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget finished requests once their outputs have been taken."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and req.finished:
+                del self.requests[rid]
 
     @property
     def has_unfinished(self) -> bool:

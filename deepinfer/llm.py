@@ -39,8 +39,7 @@ class LLM:
             per = list(params)
             if len(per) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(per)} sampling params; give one, or one per prompt")
-        base = len(self.engine.requests)
-        return [self.engine.add_request(p, sp, request_id=str(base + i)).request_id for i, (p, sp) in enumerate(zip(prompts, per))]
+        return [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, per)]
 
     def generate_stream(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: Params | Sequence[Params] | None = None
@@ -55,12 +54,17 @@ class LLM:
             if req.finished:
                 yield self.engine.output(req)
         pending = {r.request_id for r in reqs if not r.finished}
-        while pending:
-            for req in self.engine.step():
-                if req.request_id in pending:
-                    yield self.engine.output(req)
-                    if req.finished:
-                        pending.discard(req.request_id)
+        try:
+            while pending:
+                for req in self.engine.step():
+                    if req.request_id in pending:
+                        yield self.engine.output(req)
+                        if req.finished:
+                            pending.discard(req.request_id)
+        finally:
+            for rid in pending:  # the caller stopped iterating: abort what is left
+                self.engine.abort(rid)
+            self.engine.release(ids)
 
     def generate(
         self,
@@ -85,7 +89,9 @@ class LLM:
                     bar.update(done)
         if bar is not None:
             bar.close()
-        return [self.engine.output(self.engine.requests[i]) for i in ids]
+        outputs = [self.engine.output(self.engine.requests[i]) for i in ids]
+        self.engine.release(ids)
+        return outputs
 
 
 class _Progress:

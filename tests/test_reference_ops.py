@@ -27,7 +27,7 @@ def test_rms_norm_keeps_dtype_and_handles_empty():
 
 
 def test_rope_interleaved_pairs_on_trailing_dims():
-    d, r = 6, 4  # 2 pass-through channels, then 2 interleaved pairs
+    d = 6  # 2 pass-through channels, then 2 interleaved pairs of rope dims
     x = torch.arange(1.0, 7.0).view(1, d)
     theta = [0.3, 1.1]
     cos = torch.tensor([[math.cos(t) for t in theta]])
