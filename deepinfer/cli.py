@@ -5,18 +5,12 @@ User errors print one line and exit with status 2, never a traceback.
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import sys
 
-# torch_npu's autoload hook breaks ``import torch`` where CANN is missing; the
-# Ascend plugin imports torch_npu itself when it is selected.
-os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-
-from .config import load_config  # noqa: E402
-from .errors import DeepInferError  # noqa: E402
+from .config import load_config
+from .errors import DeepInferError
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:

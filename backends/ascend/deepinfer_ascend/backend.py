@@ -8,7 +8,7 @@ from deepinfer_interfaces import Backend
 class AscendBackend(Backend):
     name = "ascend"
     device = "ascend"
-    communicator = "torch-distributed"
+    communicator = "hccl-moe"
     kernels = "ascend"
     priority = 90
 

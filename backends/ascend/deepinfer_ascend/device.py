@@ -1,21 +1,32 @@
-"""Ascend NPUs through torch_npu (``torch.npu``), with features gated by SoC generation."""
+"""Ascend NPUs through torch_npu (``torch.npu``), with features gated by SoC generation.
+
+Every call goes through the ``torch_npu.npu`` module that :mod:`.npu` loaded,
+never through ``torch.npu`` directly, so nothing here depends on torch_npu's
+autoload hook having registered ``torch.npu``.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from types import ModuleType
 from typing import Any
 
 import torch
 
-from deepinfer_interfaces import Device, DeviceCapabilities
+from deepinfer_interfaces import Device, DeviceCapabilities, NotSupportedError
 
-from .npu import load_torch_npu, npu_device_count
+from .npu import availability, npu_device_count, npu_namespace
 
 
 def soc_generation(soc_name: str) -> str:
-    """``"950"`` for Ascend 950, ``"a3"``/``"a2"`` for Atlas 800 A3/A2 (910_93xx/910B), else ``"other"``."""
+    """The SoC generation from the device name torch_npu reports.
+
+    ``"950"`` for Ascend 950 (``Ascend950PR_9599``, ``Ascend950DT_…``; early CANN
+    names it ``Ascend910_95…``), ``"a3"`` for Atlas A3 (``Ascend910_93…``),
+    ``"a2"`` for Atlas A2 (``Ascend910B…``), ``"other"`` otherwise (310P, 910A).
+    """
     name = soc_name.lower().replace(" ", "")
-    if "950" in name:
+    if "950" in name or "910_95" in name:
         return "950"
     if "910_93" in name or "910c" in name:
         return "a3"
@@ -25,9 +36,17 @@ def soc_generation(soc_name: str) -> str:
 
 
 def features_for_generation(gen: str) -> dict[str, bool]:
-    """FP8, HiF8 and MXFP4 matmuls exist on Ascend 950 only."""
+    """FP8, HiF8 and MXFP4 matmuls exist on Ascend 950 only; bf16 from A2 on."""
     is_950 = gen == "950"
-    return {"fp8": is_950, "hif8": is_950, "mxfp4": is_950}
+    return {"fp8": is_950, "hif8": is_950, "mxfp4": is_950, "bf16": gen in ("950", "a3", "a2")}
+
+
+def _npu() -> ModuleType:
+    npu = npu_namespace()
+    if npu is None:
+        _, reason = availability()
+        raise NotSupportedError(f"needs torch_npu: {reason}")
+    return npu
 
 
 class AscendDevice(Device):
@@ -36,47 +55,81 @@ class AscendDevice(Device):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str | None]:
-        module, reason = load_torch_npu()
-        if module is None:
-            return False, reason
-        if npu_device_count() == 0:
-            return False, "torch_npu imported but no NPU is visible (check the driver and ASCEND_RT_VISIBLE_DEVICES)"
-        return True, None
+        return availability()
 
     def device_count(self) -> int:
         return npu_device_count()
 
     def set_device(self, index: int) -> None:
         self.index = index
-        torch.npu.set_device(index)
+        _npu().set_device(index)
+
+    def generation(self) -> str:
+        """``"950"``, ``"a3"``, ``"a2"`` or ``"other"`` for the selected NPU."""
+        return soc_generation(_npu().get_device_name(self.index))
 
     def capabilities(self) -> DeviceCapabilities:
-        soc = torch.npu.get_device_name(self.index)
+        npu = _npu()
+        soc = npu.get_device_name(self.index)
         gen = soc_generation(soc)
         feats = features_for_generation(gen)
-        dtypes = [torch.float32, torch.float16, torch.bfloat16]
+        dtypes = [torch.float32, torch.float16]
+        if feats["bf16"]:
+            dtypes.append(torch.bfloat16)
         if feats["fp8"]:
             dtypes.append(torch.float8_e4m3fn)
         return DeviceCapabilities(
             name=soc, dtypes=tuple(dtypes), fp8=feats["fp8"], fp4=feats["mxfp4"], graph_capture=True,
-            extra={"generation": gen, "hif8": feats["hif8"]},
+            extra={"generation": gen, "hif8": feats["hif8"], "vector_cores": vector_core_count(self.index)},
         )
 
     def synchronize(self) -> None:
-        torch.npu.synchronize(self.index)
+        _npu().synchronize(self.index)
 
     def memory_info(self) -> tuple[int, int]:
-        return torch.npu.mem_get_info(self.index)
+        free, total = _npu().mem_get_info(self.index)
+        return int(free), int(total)
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
-        torch.npu.manual_seed_all(seed)
+        _npu().manual_seed_all(seed)
 
     def new_stream(self) -> Any:
-        return torch.npu.Stream(device=self.index)
+        return _npu().Stream(device=self.torch_device)
 
     def new_event(self) -> Any:
-        return torch.npu.Event()
+        return _npu().Event()
 
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
-        return torch.npu.stream(stream)
+        return _npu().stream(stream)
+
+
+#: vector cores assumed when neither Triton-Ascend nor torch_npu reports a count (an A2/A3 die has 40-48)
+DEFAULT_VECTOR_CORES = 40
+
+
+def vector_core_count(index: int = 0) -> int:
+    """Vector cores of NPU ``index``: Triton-Ascend's driver properties, else torch_npu's, else a default.
+
+    Triton-Ascend kernels launch a 1-D grid of exactly this many programs.
+    """
+    try:
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        count = int(props.get("num_vectorcore", -1))
+        if count > 0:
+            return count
+    except Exception:
+        pass
+    npu = npu_namespace()
+    if npu is not None:
+        try:
+            props = npu.get_device_properties(index)
+            for attr in ("vector_core_num", "num_vectorcore", "multi_processor_count"):
+                count = int(getattr(props, attr, -1) or -1)
+                if count > 0:
+                    return count
+        except Exception:
+            pass
+    return DEFAULT_VECTOR_CORES

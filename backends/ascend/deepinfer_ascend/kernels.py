@@ -1,9 +1,256 @@
-"""The Ascend kernel set: torch_npu fused ops and Triton-Ascend kernels, the reference elsewhere."""
+"""The Ascend kernel set: torch_npu fused ops and Triton-Ascend kernels, the reference elsewhere.
+
+Where each op runs is decided at call time (see :meth:`AscendKernels.paths`):
+
+- an op mapped to a torch_npu fused op runs it when torch_npu imports and the
+  tensors are on an NPU;
+- an op with a Triton-Ascend kernel runs it on NPU tensors (Triton-Ascend
+  installed) or on CPU tensors under Triton's interpreter (``--interpret``);
+- otherwise, and for every op named in ``DEEPINFER_ASCEND_DISABLE``, the
+  reference runs (plain torch, on whatever device the tensors are on).
+
+``strict`` changes only the "otherwise": a strict kernel set raises
+``NotSupportedError("needs torch_npu: …")`` (or "needs Triton-Ascend") instead
+of quietly running the reference, so conformance reports those ops
+``not_supported`` rather than measuring the reference under the Ascend name.
+The conformance runner asks for the strict view through :meth:`for_conformance`;
+the engine uses the default, non-strict set, so a model runs end to end on any
+device. Empty batches return their (empty) result without launching anything.
+torch_npu and Triton are imported only when an op needs them.
+"""
 
 from __future__ import annotations
 
-from deepinfer_interfaces import Kernels
+from types import ModuleType
+from typing import Callable, ClassVar, TypeVar
+
+import torch
+
+from deepinfer_interfaces import Kernels, NotSupportedError
+
+from .launch import KERNEL_DTYPES, is_disabled, on_npu, triton_can_run
+from .npu import load_torch_npu
+
+R = TypeVar("R")
+
+TRITON = "triton-ascend"
 
 
 class AscendKernels(Kernels):
     name = "ascend"
+
+    #: op -> where it runs on Ascend: ``torch_npu:<fused op>`` or ``triton-ascend``
+    _PATHS: ClassVar[dict[str, str]] = {
+        "rms_norm": "torch_npu:npu_rms_norm",
+        "rope": "torch_npu:npu_rotary_mul",
+        "moe_route": "torch_npu:npu_moe_gating_top_k",
+        "swiglu": "torch_npu:npu_clipped_swiglu",
+        "moe_experts": "torch_npu:npu_grouped_matmul",
+        "compress_kv": TRITON,
+        "indexer_scores": TRITON,
+        "mhc_pre": TRITON,
+        "mhc_post": TRITON,
+        "mhc_head": TRITON,
+    }
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+
+    @classmethod
+    def paths(cls) -> dict[str, str]:
+        """Every op this set runs itself, and how: ``torch_npu:<op name>`` or ``triton-ascend``."""
+        return dict(cls._PATHS)
+
+    def for_conformance(self) -> "AscendKernels":
+        """The strict view conformance checks: ops that cannot run here are not_supported, not the reference."""
+        return type(self)(strict=True)
+
+    # -- routing -------------------------------------------------------------
+
+    def _fused(self, op: str, tensors: tuple[torch.Tensor, ...], fused: Callable[[ModuleType], R], reference: Callable[[], R]) -> R:
+        """Run ``fused(torch_npu)`` when it can run here, else the reference (or raise when strict)."""
+        if is_disabled(op):
+            return reference()
+        module, reason = load_torch_npu()
+        if module is None or not on_npu(*tensors):
+            if not self.strict:
+                return reference()
+            where = reason if module is None else f"the tensors are on {tensors[0].device.type}, not an NPU"
+            raise NotSupportedError(f"needs torch_npu: {self._PATHS[op]} ({where})")
+        try:
+            return fused(module)
+        except NotSupportedError:
+            if self.strict:
+                raise
+            return reference()
+
+    def _triton(self, op: str, tensors: tuple[torch.Tensor, ...], kernel: Callable[[], R], reference: Callable[[], R]) -> R:
+        """Run the Triton-Ascend ``kernel`` when it can run here, else the reference (or raise when strict)."""
+        if is_disabled(op) or any(t.dtype not in KERNEL_DTYPES for t in tensors if t.is_floating_point()):
+            return reference()
+        if triton_can_run(*tensors):
+            return kernel()
+        if not self.strict:
+            return reference()
+        device = tensors[0].device.type
+        if device == "npu":
+            raise NotSupportedError(f"needs Triton-Ascend: {op} is a Triton-Ascend kernel (pip install triton-ascend matched to CANN)")
+        _, reason = load_torch_npu()
+        raise NotSupportedError(
+            f"needs torch_npu or the Triton interpreter: {op} is a Triton-Ascend kernel "
+            f"({reason or 'the tensors are on ' + device}; CPU tensors run it under --interpret)"
+        )
+
+    # -- torch_npu fused ops -------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """``npu_rms_norm`` (see ``npu_ops.rms_norm``)."""
+        if x.numel() == 0:
+            return torch.empty_like(x)
+        from . import npu_ops
+
+        return self._fused("rms_norm", (x,), lambda tn: npu_ops.rms_norm(tn, x, weight, eps), lambda: super(AscendKernels, self).rms_norm(x, weight, eps))
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``npu_rotary_mul`` in interleave mode on the rope slice (see ``npu_ops.rope``)."""
+        if cos.shape[-1] == 0 or x.shape[0] == 0:
+            return x.clone()
+        from . import npu_ops
+
+        return self._fused("rope", (x,), lambda tn: npu_ops.rope(tn, x, cos, sin, inverse), lambda: super(AscendKernels, self).rope(x, cos, sin, inverse))
+
+    def moe_route(
+        self,
+        logits: torch.Tensor,
+        bias: torch.Tensor | None,
+        top_k: int,
+        routed_scaling: float,
+        scoring: str = "sqrtsoftplus",
+        renormalize: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``npu_moe_gating_top_k`` for sigmoid scoring; V4's sqrtsoftplus (and softmax) run the reference."""
+        reference = lambda: super(AscendKernels, self).moe_route(logits, bias, top_k, routed_scaling, scoring, renormalize)  # noqa: E731
+        if scoring != "sigmoid" or logits.shape[0] == 0:
+            return reference()
+        from . import npu_ops
+
+        return self._fused("moe_route", (logits,), lambda tn: npu_ops.moe_route_sigmoid(tn, logits, bias, top_k, routed_scaling, renormalize), reference)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+        """``npu_clipped_swiglu`` (``npu_swiglu`` without a limit; see ``npu_ops.swiglu_packed``)."""
+        reference = lambda: super(AscendKernels, self).swiglu(gate, up, limit)  # noqa: E731
+        if gate.numel() == 0:
+            return reference()
+        from . import npu_ops
+
+        return self._fused("swiglu", (gate, up), lambda tn: npu_ops.swiglu(tn, gate, up, limit), reference)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        limit: float | None,
+    ) -> torch.Tensor:
+        """``npu_grouped_matmul`` twice around the clamped SwiGLU (see ``npu_ops.moe_experts``)."""
+        reference = lambda: super(AscendKernels, self).moe_experts(x, topk_ids, topk_weights, w13, w2, limit)  # noqa: E731
+        if x.shape[0] == 0:
+            return reference()
+        from . import npu_ops
+
+        return self._fused("moe_experts", (x, w13, w2), lambda tn: npu_ops.moe_experts(tn, x, topk_ids, topk_weights, w13, w2, limit), reference)
+
+    # -- Triton-Ascend kernels -----------------------------------------------
+
+    def compress_kv(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        position_bias: torch.Tensor,
+        indices: torch.Tensor,
+        prev_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Gated softmax pooling over each window (see ``triton_ascend_compressor``)."""
+        reference = lambda: super(AscendKernels, self).compress_kv(kv, gate, position_bias, indices, prev_indices)  # noqa: E731
+        if indices.shape[0] == 0 or indices.shape[1] == 0 or kv.shape[0] == 0:
+            return reference()
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_compressor import compress_kv
+
+            return compress_kv(kv, gate, position_bias, indices, prev_indices)
+
+        return self._triton("compress_kv", (kv, gate, position_bias), kernel, reference)
+
+    def indexer_scores(
+        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Relu-weighted multi-head scores over gathered keys (see ``triton_ascend_indexer``)."""
+        reference = lambda: super(AscendKernels, self).indexer_scores(q, weights, keys, indices, scale)  # noqa: E731
+        if q.shape[0] == 0 or indices.shape[1] == 0:
+            return reference()
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_indexer import indexer_scores
+
+            return indexer_scores(q, weights, keys, indices, scale)
+
+        return self._triton("indexer_scores", (q, weights, keys), kernel, reference)
+
+    def mhc_pre(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gates, Sinkhorn and collapse per token after one fp32 mixing matmul (see ``triton_ascend_mhc``)."""
+        reference = lambda: super(AscendKernels, self).mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)  # noqa: E731
+        if x.shape[0] == 0:
+            return reference()
+
+        def kernel() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            from .triton_ascend_mhc import mhc_pre
+
+            return mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+        return self._triton("mhc_pre", (x, fn), kernel, reference)
+
+    def mhc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """``post · y + combᵀ x`` per token and channel block (see ``triton_ascend_mhc``)."""
+        reference = lambda: super(AscendKernels, self).mhc_post(y, x, post, comb)  # noqa: E731
+        if x.shape[0] == 0:
+            return reference()
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_mhc import mhc_post
+
+            return mhc_post(y, x, post, comb)
+
+        return self._triton("mhc_post", (y, x, post, comb), kernel, reference)
+
+    def mhc_head(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+    ) -> torch.Tensor:
+        """The final collapse, the pre-gate half of ``mhc_pre``'s kernel (see ``triton_ascend_mhc``)."""
+        reference = lambda: super(AscendKernels, self).mhc_head(x, fn, base, scale, norm_eps, hc_eps)  # noqa: E731
+        if x.shape[0] == 0:
+            return reference()
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_mhc import mhc_head
+
+            return mhc_head(x, fn, base, scale, norm_eps, hc_eps)
+
+        return self._triton("mhc_head", (x, fn), kernel, reference)

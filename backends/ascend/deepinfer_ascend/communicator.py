@@ -1,0 +1,83 @@
+"""HCCL collectives through torch.distributed, with the fused MC2 MoE dispatch/combine where it fits.
+
+Every collective is the shared ``TorchDistributedCommunicator`` (with
+``dist_backend="hccl"`` on NPUs; whatever backend the device names otherwise,
+e.g. gloo under ``--interpret``). ``dispatch``/``combine`` use torch_npu's
+``npu_moe_distribute_dispatch``/``_combine`` when ``DEEPINFER_ASCEND_FUSED_DISPATCH=1``
+and every rank's call fits the ops (see ``fused_dispatch``), else the base
+all-to-all path, which follows the Communicator contract exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from deepinfer_interfaces import DispatchHandle, DispatchResult
+from deepinfer_interfaces.distributed import TorchDistributedCommunicator
+
+from . import fused_dispatch
+from .npu import load_torch_npu
+
+
+class AscendCommunicator(TorchDistributedCommunicator):
+    """torch.distributed over HCCL; fused MC2 MoE dispatch/combine on A2/A3 when requested."""
+
+    def __init__(self, dist_backend: str = "hccl", **kwargs) -> None:
+        super().__init__(dist_backend, **kwargs)
+        self._moe_group = None
+
+    def _fused_module(self):
+        if not fused_dispatch.fused_requested() or self.dist_backend != "hccl" or self.world_size < 2:
+            return None
+        module, _ = load_torch_npu()
+        if module is None or not all(hasattr(module, n) for n in ("npu_moe_distribute_dispatch", "npu_moe_distribute_combine")):
+            return None
+        return module
+
+    def _generation(self) -> str:
+        from .device import soc_generation
+        from .npu import npu_namespace
+
+        return soc_generation(npu_namespace().get_device_name(self.device.index or 0))
+
+    def _moe_group_name(self) -> str:
+        """The HCCL name of a group reserved for the fused ops (they allow no other ops in their domain)."""
+        if getattr(self, "_moe_group", None) is None:  # subgroups are built without __init__
+            if self.group is None:
+                self._moe_group = dist.new_group(list(range(self.world_size)), backend="hccl")
+            else:
+                members = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+                self._moe_group = dist.new_group(members, backend="hccl", use_local_synchronization=True)
+        backend = self._moe_group._get_backend(torch.device("npu"))
+        return backend.get_hccl_comm_name(dist.get_rank())
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        expert_rank: torch.Tensor,
+        expert_local: torch.Tensor,
+    ) -> DispatchResult:
+        module = self._fused_module()
+        if module is None:
+            return super().dispatch(hidden, topk_ids, topk_weights, expert_rank, expert_local)
+        problem = fused_dispatch.local_problem(self._generation(), self.world_size, hidden, topk_ids, expert_rank, expert_local)
+        # every rank must take the same path: agree on eligibility and the largest batch in one all-reduce
+        vote = torch.tensor([0 if problem else 1, -int(topk_ids.shape[0])], dtype=torch.int64, device=self.device)
+        self.all_reduce(vote, op="min")
+        if int(vote[0]) == 0:
+            return super().dispatch(hidden, topk_ids, topk_weights, expert_rank, expert_local)
+        global_bs = -int(vote[1]) * self.world_size
+        recv_hidden, ids, weights, handle = fused_dispatch.dispatch(
+            module, hidden, topk_ids, topk_weights, int(expert_rank.shape[0]), self._moe_group_name(),
+            self.rank, self.world_size, global_bs,
+        )
+        return DispatchResult(recv_hidden, ids, weights, handle)
+
+    def combine(self, hidden: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        if isinstance(handle, fused_dispatch.FusedDispatchHandle):
+            module, _ = load_torch_npu()
+            return fused_dispatch.combine(module, hidden, handle)
+        return super().combine(hidden, handle)

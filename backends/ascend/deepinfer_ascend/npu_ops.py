@@ -1,0 +1,210 @@
+"""DeepSeek-V4 ops mapped onto torch_npu fused ops.
+
+Each function takes the imported ``torch_npu`` module and NPU tensors, and
+states next to the call the torch_npu signature it relies on (from the
+Ascend Extension for PyTorch op reference) and the semantic gap it bridges.
+A function raises ``NotSupportedError`` for inputs its fused op does not
+accept; the kernel set then runs the reference (or reports not_supported
+under conformance).
+
+Ops deliberately left to the reference on the NPU, and why:
+
+- ``sparse_attention``: ``npu_fused_infer_attention_score`` and
+  ``npu_sparse_flash_attention`` have no attention-sink logit, and V4's
+  per-token gathered windows with ``-1`` holes anywhere in the row need a
+  per-token mask that their sparse modes do not express. (The sink could be
+  folded in afterwards from the returned LSE as ``out · sigmoid(lse − sink)``;
+  that needs the LSE layout verified on hardware first.)
+- ``moe_route`` with ``sqrtsoftplus`` or ``softmax`` scoring, and
+  ``hash_route``: ``npu_moe_gating_top_k`` applies only sigmoid (norm_type 1;
+  softmax is unsupported on Ascend 950 and older CANN), and adding the bias
+  after a different nonlinearity changes which experts win.
+- ``npu_interleave_rope`` is not used for RoPE: it de-interleaves its output
+  into rotate-half layout and requires a 64-wide bf16/fp16 head, while V4
+  keeps the interleaved layout in place.
+- ``npu_moe_init_routing_v2`` is not used for the expert permutation: how it
+  treats ``-1`` and out-of-range ids depends on ``active_expert_range`` and
+  its row-index type, which changed between CANN releases; one stable sort in
+  torch gives the same grouping with the contract's skip semantics.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from deepinfer_interfaces import NotSupportedError
+from deepinfer_interfaces.kernels.moe import router_scores
+
+_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise NotSupportedError(what)
+
+
+def rms_norm(tn: ModuleType, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``torch_npu.npu_rms_norm(self, gamma, epsilon=1e-06) -> (Tensor y, Tensor rstd)``.
+
+    ``y = x / sqrt(mean(x²) + eps) · gamma`` in the dtype of ``x``; A2/A3 accept
+    an fp32 ``gamma`` with fp16/bf16 ``x`` (V4 keeps norm weights in fp32), so
+    the weight is not rounded first. No weight (the per-head q norm) is a gamma
+    of ones.
+    """
+    _need(x.dtype in _FLOAT, f"npu_rms_norm takes fp32/fp16/bf16, not {x.dtype}")
+    d = x.shape[-1]
+    if weight is None:
+        gamma = torch.ones(d, dtype=x.dtype, device=x.device)
+    elif weight.dtype in (x.dtype, torch.float32):
+        gamma = weight
+    else:
+        gamma = weight.float()
+    return tn.npu_rms_norm(x, gamma, epsilon=float(eps))[0]
+
+
+def rope(tn: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """``torch_npu.npu_rotary_mul(input, r1, r2, rotary_mode='half', rotate=None) -> Tensor``
+    with ``rotary_mode='interleave'``: ``out = x·r1 + rotate(x)·r2`` where
+    ``rotate`` maps each pair ``(x0, x1)`` to ``(−x1, x0)``.
+
+    That is our pair rotation once ``cos``/``sin`` (one angle per pair) are
+    repeated to one value per channel. The op rotates the whole last dim, so
+    only the trailing rope slice goes in (TND layout, ``r1``/``r2`` as T1D) and
+    the pass-through channels are concatenated back. Inverse rotation negates
+    ``sin``. Constraints: last dim < 896 and even, tokens·heads < 1000 per
+    layout row, ``|cos|, |sin| <= 1``.
+    """
+    _need(x.dtype in _FLOAT, f"npu_rotary_mul takes fp32/fp16/bf16, not {x.dtype}")
+    half = cos.shape[-1]
+    width = 2 * half
+    _need(width < 896, f"npu_rotary_mul needs a rope width below 896, got {width}")
+    x3 = x if x.dim() == 3 else x[:, None, :]
+    _need(x3.shape[1] < 1000, f"npu_rotary_mul takes fewer than 1000 heads, got {x3.shape[1]}")
+    rot = x3[..., -width:].contiguous()
+    c = cos.to(x.dtype).repeat_interleave(2, dim=-1)[:, None, :].contiguous()
+    s = sin.to(x.dtype).repeat_interleave(2, dim=-1)[:, None, :]
+    s = (-s if inverse else s).contiguous()
+    try:
+        out = tn.npu_rotary_mul(rot, c, s, rotary_mode="interleave")
+    except TypeError as exc:  # torch_npu releases before rotary_mode existed
+        raise NotSupportedError(f"this torch_npu's npu_rotary_mul has no rotary_mode='interleave' ({exc})") from exc
+    full = torch.cat([x3[..., : x3.shape[-1] - width], out], dim=-1)
+    return full.view(x.shape)
+
+
+def moe_route_sigmoid(
+    tn: ModuleType, logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_scaling: float, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert choice by ``torch_npu.npu_moe_gating_top_k(x, k, *, bias=None, k_group=1,
+    group_count=1, group_select_mode=0, renorm=0, norm_type=0, out_flag=False,
+    routed_scaling_factor=1.0, eps=1e-20) -> (y, expert_idx int32, norm_out)``.
+
+    With ``norm_type=1`` it picks the top-k of ``sigmoid(x) + bias``: our choice
+    for sigmoid scoring. Its ``y`` is the *biased* score renormalised, whereas
+    our weights are the unbiased scores, so only the ids are taken and the
+    weights are recomputed from them (a [T, k] gather). One group
+    (``group_count=1, k_group=1``) means no group limiting;
+    ``group_select_mode=1`` is the only mode Ascend 950 accepts and is moot with
+    one group. The op does not promise an order among the k ids or an order of
+    ties, so they are re-sorted by biased score, ties by expert id.
+    Constraints: 2 < experts <= 2048, k <= experts.
+    """
+    t, e = logits.shape
+    _need(2 < e <= 2048 and 1 <= top_k <= e, f"npu_moe_gating_top_k needs 2 < experts <= 2048 and k <= experts (got {e}, k={top_k})")
+    z = logits.float().contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    _, ids32, _ = tn.npu_moe_gating_top_k(
+        z, top_k, bias=b, k_group=1, group_count=1, group_select_mode=1, renorm=0, norm_type=1,
+        out_flag=False, routed_scaling_factor=1.0, eps=1e-20,
+    )
+    scores = router_scores(z, "sigmoid")
+    choice = scores if b is None else scores + b
+    ids = ids32.to(torch.int64).sort(dim=-1).values
+    order = torch.sort(choice.gather(1, ids), dim=-1, descending=True, stable=True).indices
+    ids = ids.gather(1, order)
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * routed_scaling, ids
+
+
+def swiglu_packed(tn: ModuleType, h: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """Clamped SwiGLU of ``h = [gate | up]`` along the last dim.
+
+    With a limit: ``torch_npu.npu_clipped_swiglu(x, *, group_index=None, dim=-1,
+    alpha=1.702, limit=7.0, bias=1.0, interleaved=True) -> Tensor`` computes
+    ``A.clamp(max=limit) · sigmoid(alpha·A') · (B.clamp(−limit, limit) + bias)``;
+    ``alpha=1, bias=0, interleaved=False`` (front/back halves) is exactly V4's
+    ``silu(min(gate, limit)) · clamp(up, −limit, limit)``. Without a limit, or on
+    a torch_npu without ``npu_clipped_swiglu``: the clamps in torch, then
+    ``torch_npu.npu_swiglu(input, dim=-1) -> Tensor`` (``silu(A) · B``, no clamp).
+    """
+    h = h.contiguous()
+    if limit is not None and hasattr(tn, "npu_clipped_swiglu"):
+        return tn.npu_clipped_swiglu(h, dim=-1, alpha=1.0, limit=float(limit), bias=0.0, interleaved=False)
+    if limit is not None:
+        i = h.shape[-1] // 2
+        h = torch.cat([h[..., :i].clamp(max=limit), h[..., i:].clamp(min=-limit, max=limit)], dim=-1)
+    return tn.npu_swiglu(h, dim=-1)
+
+
+def swiglu(tn: ModuleType, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``Kernels.swiglu`` through :func:`swiglu_packed` on ``[gate | up]``."""
+    _need(gate.dtype in _FLOAT, f"npu_swiglu takes fp32/fp16/bf16, not {gate.dtype}")
+    return swiglu_packed(tn, torch.cat([gate, up.to(gate.dtype)], dim=-1), limit)
+
+
+def _grouped_matmul(tn: ModuleType, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``y[rows of group e] = x[rows of group e] @ w[e]ᵀ`` for ``w`` ``[E, N, K]``.
+
+    ``torch_npu.npu_grouped_matmul(x, weight, *, bias=None, ..., group_list=None,
+    split_item=0, group_type=None, group_list_type=0, act_type=0,
+    output_dtype=None, tuning_config=None) -> List[Tensor]`` in its
+    single-tensor form: ``x`` ``[M, K]``, ``weight`` one ``[E, K, N]`` tensor
+    (a transposed view is accepted), ``group_type=0`` (groups along M),
+    ``group_list`` int64 per-group row counts with ``group_list_type=1``,
+    ``split_item=2`` (one output tensor ``[M, N]``). At most 1024 groups.
+    """
+    return tn.npu_grouped_matmul(
+        [x], [w.transpose(1, 2)], group_list=counts, group_type=0, group_list_type=1, split_item=2
+    )[0]
+
+
+def moe_experts(
+    tn: ModuleType,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float | None,
+) -> torch.Tensor:
+    """Grouped clamped-SwiGLU experts: a stable sort groups the (token, slot)
+    rows by expert (``-1`` and out-of-range ids dropped), two grouped matmuls
+    and the clamped SwiGLU run per group, and the weighted rows are summed back
+    per token in fp32."""
+    num_experts = w13.shape[0]
+    _need(x.dtype in _FLOAT and w13.dtype == x.dtype and w2.dtype == x.dtype,
+          f"npu_grouped_matmul needs x, w13 and w2 in one of fp32/fp16/bf16 (got {x.dtype}, {w13.dtype}, {w2.dtype})")
+    _need(2 <= num_experts <= 1024, f"npu_grouped_matmul takes 2 to 1024 groups, got {num_experts} experts")
+    t, d = x.shape
+    k = topk_ids.shape[1]
+    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    order = torch.sort(key, stable=True).indices
+    rows = int(valid.sum())
+    if rows == 0:
+        return out.to(x.dtype)
+    order = order[:rows]
+    tokens = order // k
+    counts = torch.bincount(flat[valid], minlength=num_experts).to(torch.int64)
+    h = _grouped_matmul(tn, x[tokens].contiguous(), w13, counts)
+    act = swiglu_packed(tn, h, limit)
+    y = _grouped_matmul(tn, act.contiguous(), w2, counts)
+    w = topk_weights.reshape(-1)[order].float()
+    out.index_add_(0, tokens, y.float() * w[:, None])
+    return out.to(x.dtype)
