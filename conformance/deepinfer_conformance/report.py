@@ -31,8 +31,9 @@ def summary(results: list[CaseResult]) -> dict[str, int]:
     return {s: counts.get(s, 0) for s in STATUSES}
 
 
-def build_report(backend: str, kernels: str, results: list[CaseResult]) -> dict[str, Any]:
-    return {
+def build_report(backend: str, kernels: str, results: list[CaseResult], e2e: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON report (shape: ``report.schema.json``); ``e2e`` records the e2e suite's model, dtype and prompts."""
+    report = {
         "backend": backend,
         "kernels": kernels,
         "reference": "deepinfer_interfaces.Kernels (CPU, fp64/fp32 oracle)",
@@ -40,6 +41,9 @@ def build_report(backend: str, kernels: str, results: list[CaseResult]) -> dict[
         "summary": summary(results),
         "results": [r.as_dict() for r in results],
     }
+    if e2e is not None:
+        report["e2e"] = e2e
+    return report
 
 
 def write_json(report: dict[str, Any], path: str) -> None:

@@ -52,6 +52,7 @@ class OpSpec:
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     #: compare outputs for exact equality (token ids, masks) instead of with tolerances
     exact: bool = False
+    #: per-dtype overrides of ``TOLERANCES``; each needs ``tolerance_reason``, which the report carries
     tolerances: dict[torch.dtype, Tolerance] = field(default_factory=dict)
     tolerance_reason: str = ""
     #: turns ``(kwargs, result)`` into the tensor(s) compared; default: the result
@@ -70,6 +71,8 @@ def register(spec: OpSpec) -> OpSpec:
     """Add ``spec`` to the suite (one spec per op)."""
     if spec.op in SPECS:
         raise ValueError(f"op spec for {spec.op!r} registered twice")
+    if spec.tolerances and not spec.tolerance_reason.strip():
+        raise ValueError(f"op spec for {spec.op!r} overrides the tolerance table without a reason; set tolerance_reason")
     SPECS[spec.op] = spec
     return spec
 

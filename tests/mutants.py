@@ -1,0 +1,120 @@
+"""Kernel sets with one subtle bug each: the conformance suite must fail every one.
+
+Each class is a plausible mistake in a vendor's kernel, a few characters away
+from the reference. ``tests/test_mutants.py`` installs this module as a real
+plugin (copied under another name next to a dist-info) and checks that op
+parity fails exactly the ops that carry the bug and that end-to-end parity
+fails too. This module imports nothing from the tests, so it can be copied.
+
+The communicator mutant (a dispatch that drops the last token) lives in
+``tests/test_conformance_comm.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_interfaces import Kernels
+
+
+class NoEpsKernels(Kernels):
+    """RMSNorm that forgets ``eps`` inside the square root."""
+
+    name = "mutant-no-eps"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return super().rms_norm(x, weight, 0.0)
+
+
+class RopeHalvesKernels(Kernels):
+    """RoPE that pairs channel ``i`` with ``i + R/2`` (the GPT-NeoX layout) instead of ``(2i, 2i+1)``."""
+
+    name = "mutant-rope-halves"
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        half = cos.shape[-1]
+        if half == 0 or x.shape[0] == 0:
+            return x.clone()
+        c, s = cos.float(), (-sin if inverse else sin).float()
+        if x.dim() == 3:
+            c, s = c[:, None, :], s[:, None, :]
+        rot = x[..., -2 * half:].float()
+        x0, x1 = rot[..., :half], rot[..., half:]
+        out = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+        return torch.cat([x[..., : x.shape[-1] - 2 * half], out.to(x.dtype)], dim=-1)
+
+
+class NoSinkKernels(Kernels):
+    """Sparse attention that leaves the per-head sink logit out of the softmax."""
+
+    name = "mutant-no-sink"
+
+    def sparse_attention(self, q, kv, indices, sinks, scale):
+        # a sink of -inf takes no probability mass
+        return super().sparse_attention(q, kv, indices, torch.full_like(sinks, float("-inf")), scale)
+
+
+class WindowShortKernels(Kernels):
+    """Sparse attention whose loop bound is off by one: the last valid index of each row is skipped.
+
+    The model lists a token's sliding window newest first, so on sliding rows
+    this drops the oldest position: a window of ``W − 1`` tokens.
+    """
+
+    name = "mutant-window-short"
+
+    def sparse_attention(self, q, kv, indices, sinks, scale):
+        valid = indices >= 0
+        cols = torch.arange(indices.shape[1], device=indices.device).expand_as(indices)
+        last = torch.where(valid, cols, torch.full_like(cols, -1)).amax(dim=1, keepdim=True) if indices.numel() else cols
+        trimmed = torch.where(valid & (cols == last), torch.full_like(indices, -1), indices)
+        return super().sparse_attention(q, kv, trimmed, sinks, scale)
+
+
+class NoRouteBiasKernels(Kernels):
+    """Learned routing that chooses experts without the load-balancing bias."""
+
+    name = "mutant-no-route-bias"
+
+    def moe_route(self, logits, bias, top_k, routed_scaling, scoring="sqrtsoftplus", renormalize=True):
+        return super().moe_route(logits, None, top_k, routed_scaling, scoring, renormalize)
+
+
+class NoRenormKernels(Kernels):
+    """Routing (learned and hash) that skips renormalising the chosen top-k weights."""
+
+    name = "mutant-no-renorm"
+
+    def moe_route(self, logits, bias, top_k, routed_scaling, scoring="sqrtsoftplus", renormalize=True):
+        return super().moe_route(logits, bias, top_k, routed_scaling, scoring, False)
+
+    def hash_route(self, logits, token_ids, tid2eid, routed_scaling, scoring="sqrtsoftplus", renormalize=True):
+        return super().hash_route(logits, token_ids, tid2eid, routed_scaling, scoring, False)
+
+
+class NoClampKernels(Kernels):
+    """SwiGLU without the clamp, in the standalone activation and in the grouped experts."""
+
+    name = "mutant-no-clamp"
+
+    def swiglu(self, gate, up, limit):
+        return super().swiglu(gate, up, None)
+
+    def moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
+        return super().moe_experts(x, topk_ids, topk_weights, w13, w2, None)
+
+
+class ShortSinkhornKernels(Kernels):
+    """Hyper-connection weights with the Sinkhorn loop cut to 3 iterations."""
+
+    name = "mutant-short-sinkhorn"
+
+    def mhc_pre(self, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+        return super().mhc_pre(x, fn, base, scale, norm_eps, hc_eps, min(sinkhorn_iters, 3))
+
+
+#: entry-point name -> class name, for the test's dist-info
+MUTANTS = {cls.name: cls.__name__ for cls in (
+    NoEpsKernels, RopeHalvesKernels, NoSinkKernels, WindowShortKernels,
+    NoRouteBiasKernels, NoRenormKernels, NoClampKernels, ShortSinkhornKernels,
+)}
