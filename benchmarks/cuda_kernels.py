@@ -1,14 +1,16 @@
 """Microbenchmark: the CUDA backend's Triton kernels against the torch reference, side by side.
 
-For each op and shape it prints the median time, the achieved memory bandwidth
-(bytes the op must move: read inputs once, write the output once) and the
-speed-up, plus the largest difference between the two outputs as a sanity
-check. Both ops are memory bound, so GB/s against the GPU's peak is the figure
-of merit.
+For each op and shape it prints the median time of both, the achieved rate of
+each and the speed-up, plus the largest difference between the two outputs as
+a sanity check. Memory-bound ops (rms_norm, rope, sparse attention at decode,
+mhc_pre) report GB/s: the bytes the op must move (inputs read once, gathered
+rows counted once per token that reads them, the output written once), to
+hold against the GPU's peak bandwidth. The grouped expert matmul reports
+TFLOP/s (``6·pairs·I·D``: two matmuls, gate and up then down).
 
 Runs only where a CUDA device and Triton exist; elsewhere it says why and exits 0.
 
-    python benchmarks/cuda_kernels.py [--dtype bfloat16] [--ops rms_norm,rope] [--quick]
+    python benchmarks/cuda_kernels.py [--dtype bfloat16] [--ops rms_norm,rope,...] [--quick]
 """
 
 from __future__ import annotations
@@ -29,10 +31,15 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class Row:
     op: str
     shape: str
-    bytes_moved: int
+    #: bytes moved (unit GB/s) or flops done (unit TFLOP/s) by one call
+    work: float
     triton_ms: float
     torch_ms: float
     max_diff: float
+    unit: str = "GB/s"
+
+    def rate(self, ms: float) -> float:
+        return self.work / (ms * 1e-3) / (1e12 if self.unit == "TFLOP/s" else 1e9)
 
 
 def _why_not_runnable() -> str | None:
@@ -113,27 +120,115 @@ def bench_rope(dtype: torch.dtype, quick: bool) -> list[Row]:
     return rows
 
 
-BENCHES = {"rms_norm": bench_rms_norm, "rope": bench_rope}
+def bench_sparse_attention(dtype: torch.dtype, quick: bool) -> list[Row]:
+    from deepinfer_cuda.kernels import CUDAKernels
+    from deepinfer_interfaces import Kernels
+
+    fast, ref = CUDAKernels(), Kernels()
+    es = torch.finfo(dtype).bits // 8
+    heads, dim = 64, 512
+    # V4-Flash: 64 heads of 512, one shared K=V head; a token attends to its 128-token window plus
+    # 512 indexer picks (CSA) -- decode batches of 1 to 256 tokens, and a prefill chunk
+    shapes = [(1, 640), (16, 640), (64, 640), (256, 640), (64, 2176), (1024, 640)]
+    if quick:
+        shapes = [(64, 640), (1024, 640)]
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for tokens, k in shapes:
+        # every token reads its own rows (a pool of distinct rows), as decode of separate sequences does
+        pool = torch.randn(tokens * k, dim, device="cuda", dtype=dtype)
+        idx = torch.randperm(tokens * k, device="cuda", generator=g).view(tokens, k)
+        idx[:, -k // 8 :] = -1  # some padding, as short sequences have
+        q = torch.randn(tokens, heads, dim, device="cuda", dtype=dtype)
+        sinks = torch.randn(heads, device="cuda")
+        scale = dim**-0.5
+        moved = tokens * k * (dim * es + 8) + 2 * q.numel() * es
+        run_fast = lambda: fast.sparse_attention(q, pool, idx, sinks, scale)  # noqa: E731
+        run_ref = lambda: ref.sparse_attention(q, pool, idx, sinks, scale)  # noqa: E731
+        rows.append(Row("sparse_attention", f"T={tokens} K={k}", moved, _time(run_fast), _time(run_ref), _diff(run_fast(), run_ref())))
+    return rows
+
+
+def bench_moe_experts(dtype: torch.dtype, quick: bool) -> list[Row]:
+    from deepinfer_cuda.kernels import CUDAKernels
+    from deepinfer_interfaces import Kernels
+
+    fast, ref = CUDAKernels(), Kernels()
+    # V4-Flash expert shapes (hidden 4096, intermediate 2048, 6 of the experts per token), 64 local experts
+    experts, dim, inter, top_k = 64, 4096, 2048, 6
+    w13 = torch.randn(experts, 2 * inter, dim, device="cuda", dtype=dtype) * dim**-0.5
+    w2 = torch.randn(experts, dim, inter, device="cuda", dtype=dtype) * inter**-0.5
+    shapes = [16, 128, 1024, 4096]
+    if quick:
+        shapes = [128, 4096]
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for tokens in shapes:
+        x = torch.randn(tokens, dim, device="cuda", dtype=dtype, generator=g)
+        ids = torch.rand(tokens, experts, device="cuda", generator=g).topk(top_k, dim=-1).indices
+        weights = torch.rand(tokens, top_k, device="cuda", generator=g)
+        flops = 6.0 * tokens * top_k * inter * dim
+        run_fast = lambda: fast.moe_experts(x, ids, weights, w13, w2, 10.0)  # noqa: E731
+        run_ref = lambda: ref.moe_experts(x, ids, weights, w13, w2, 10.0)  # noqa: E731
+        rows.append(
+            Row(
+                "moe_experts", f"T={tokens} k={top_k} E={experts}", flops,
+                _time(run_fast), _time(run_ref), _diff(run_fast(), run_ref()), "TFLOP/s",
+            )
+        )
+    return rows
+
+
+def bench_mhc_pre(dtype: torch.dtype, quick: bool) -> list[Row]:
+    from deepinfer_cuda.kernels import CUDAKernels
+    from deepinfer_interfaces import Kernels
+
+    fast, ref = CUDAKernels(), Kernels()
+    es = torch.finfo(dtype).bits // 8
+    n, dim = 4, 4096
+    fn = torch.randn((2 + n) * n, n * dim, device="cuda") * 0.01
+    base = torch.randn((2 + n) * n, device="cuda")
+    scale = torch.rand(3, device="cuda") + 0.5
+    shapes = [1, 64, 4096] if not quick else [64, 4096]
+    rows = []
+    for tokens in shapes:
+        x = torch.randn(tokens, n, dim, device="cuda", dtype=dtype)
+        moved = x.numel() * es + tokens * dim * es + fn.numel() * 4
+        run_fast = lambda: fast.mhc_pre(x, fn, base, scale, 1e-6, 1e-6, 20)  # noqa: E731
+        run_ref = lambda: ref.mhc_pre(x, fn, base, scale, 1e-6, 1e-6, 20)  # noqa: E731
+        rows.append(Row("mhc_pre", f"[{tokens}, {n}, {dim}]", moved, _time(run_fast), _time(run_ref), _diff(run_fast()[0], run_ref()[0])))
+    return rows
+
+
+BENCHES = {
+    "rms_norm": bench_rms_norm,
+    "rope": bench_rope,
+    "sparse_attention": bench_sparse_attention,
+    "moe_experts": bench_moe_experts,
+    "mhc_pre": bench_mhc_pre,
+}
 
 
 def _print(rows: list[Row], dtype_name: str) -> None:
-    head = f"{'op':<9} {'shape':<18} {'dtype':<9} {'triton us':>10} {'GB/s':>8} {'torch us':>10} {'GB/s':>8} {'speed-up':>9} {'max diff':>9}"
+    head = (
+        f"{'op':<17} {'shape':<22} {'dtype':<9} {'triton us':>10} {'rate':>8} {'torch us':>10} {'rate':>8} {'unit':<8}"
+        f" {'ratio':>8} {'max diff':>9}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        t_gbs = r.bytes_moved / (r.triton_ms * 1e-3) / 1e9
-        r_gbs = r.bytes_moved / (r.torch_ms * 1e-3) / 1e9
         print(
-            f"{r.op:<9} {r.shape:<18} {dtype_name:<9} {r.triton_ms * 1e3:>10.1f} {t_gbs:>8.0f} "
-            f"{r.torch_ms * 1e3:>10.1f} {r_gbs:>8.0f} {r.torch_ms / r.triton_ms:>8.2f}x {r.max_diff:>9.2e}"
+            f"{r.op:<17} {r.shape:<22} {dtype_name:<9} {r.triton_ms * 1e3:>10.1f} {r.rate(r.triton_ms):>8.1f} "
+            f"{r.torch_ms * 1e3:>10.1f} {r.rate(r.torch_ms):>8.1f} {r.unit:<8} {r.torch_ms / r.triton_ms:>7.2f}x {r.max_diff:>9.2e}"
         )
+    print("ratio: torch time / triton time (above 1: the Triton kernel is faster)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--ops", default=",".join(BENCHES), help=f"comma-separated among {', '.join(BENCHES)}")
-    parser.add_argument("--quick", action="store_true", help="two shapes per op")
+    parser.add_argument("--quick", action="store_true", help="two or three shapes per op")
     args = parser.parse_args(argv)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in BENCHES]

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-OWN_OPS = {"rms_norm", "rope", "sample", "apply_token_bitmask"}
+OWN_OPS = {
+    "rms_norm", "rope", "sample", "apply_token_bitmask",
+    # the DeepSeek-V4 model ops
+    "cache_write", "sparse_attention", "indexer_scores", "compress_kv", "mhc_pre", "mhc_post", "mhc_head",
+    "moe_route", "hash_route", "swiglu", "moe_experts",
+}
 
 
 def _run(args: list[str], interpret: bool, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -174,6 +179,143 @@ def test_triton_kernels_match_reference_beyond_spec_shapes() -> None:
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
 
 
+# The model ops past the op specs: decode shapes that split the attention rows
+# over programs, ragged heads / dims / channels / stream counts that cross block
+# boundaries, strided inputs, -1 padding everywhere, every routing variant, and
+# cache writes that cast. Compared with the reference run in fp64 on the same
+# rounded inputs (routing ids exactly).
+_MODEL_OPS_BEYOND_SPECS = textwrap.dedent(
+    """
+    import sys, torch
+    from deepinfer_interfaces import Kernels
+    from deepinfer_cuda.kernels import CUDAKernels
+
+    ref, cu = Kernels(), CUDAKernels()
+    g = torch.Generator().manual_seed(0)
+    TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+    DTS = (torch.float32, torch.bfloat16, torch.float16)
+
+    def rnd(*s, scale=1.0):
+        return torch.randn(*s, generator=g) * scale
+
+    def close(a, b, tol, what=""):
+        a = a if isinstance(a, tuple) else (a,)
+        b = b if isinstance(b, tuple) else (b,)
+        for x, y in zip(a, b):
+            assert x.shape == y.shape and x.dtype == y.dtype, (what, x.shape, y.shape, x.dtype, y.dtype)
+            fin = torch.isfinite(y)
+            assert torch.equal(fin, torch.isfinite(x)) and torch.equal(x[~fin], y[~fin]), what
+            err = ((x[fin].double() - y[fin].double()).abs() / (1 + y[fin].double().abs())).max().item() if fin.any() else 0.0
+            assert err <= tol, (what, err)
+
+    def wide(v):
+        return v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+    def check(op, dt, *args, what=""):
+        # the op on the kernels vs the reference in fp64 on the same (already rounded) inputs
+        got = getattr(cu, op)(*args)
+        want = getattr(ref, op)(*[wide(a) for a in args])
+        cast = lambda w, gt: w.to(gt.dtype)
+        if isinstance(got, tuple):
+            want = tuple(cast(w, x) for w, x in zip(want, got))
+        else:
+            want = cast(want, got)
+        close(got, want, TOL[dt], (op, dt, what))
+        return got
+
+    def pad(idx, frac):
+        return torch.where(torch.rand(idx.shape, generator=g) < frac, torch.full_like(idx, -1), idx)
+
+    # sparse attention: decode (split over the rows), prefill, ragged heads and dims, strided q, masked rows
+    for dt in DTS:
+        for t, h, d, n, k in ((1, 4, 64, 90, 40), (2, 3, 48, 30, 70), (9, 5, 48, 30, 13), (3, 16, 16, 12, 9)):
+            idx = pad(torch.randint(0, n, (t, k), generator=g), 0.3)
+            idx[-1] = -1
+            out = check("sparse_attention", dt, rnd(t, h, d).to(dt), rnd(n, d).to(dt), idx, rnd(h), d ** -0.5, what=(t, h, d, k))
+            assert out[-1].abs().max() == 0
+        q = rnd(4, 6, 40)[:, 1:5, 8:].to(dt)
+        check("sparse_attention", dt, q, rnd(10, 32).to(dt), torch.randint(0, 10, (4, 7), generator=g), rnd(4), 0.2)
+
+    # indexer scores: ragged heads, dims and candidates, padded rows
+    for dt in DTS:
+        for t, h, d, n, k in ((3, 5, 24, 50, 37), (1, 16, 32, 9, 9)):
+            idx = pad(torch.randint(0, n, (t, k), generator=g), 0.25)
+            check("indexer_scores", dt, rnd(t, h, d).to(dt), rnd(t, h).to(dt), rnd(n, d).to(dt), idx, d ** -0.5)
+
+    # compressor: long windows (several slot tiles), overlapping windows, ragged channels
+    for dt in DTS:
+        for e, m, c, overlap in ((3, 16, 40, True), (5, 13, 24, False), (2, 32, 12, False)):
+            n = 3 * m
+            idx = pad(torch.randint(0, n, (e, m), generator=g), 0.2)
+            prev = pad(torch.randint(0, n, (e, m), generator=g), 0.2) if overlap else None
+            check("compress_kv", dt, rnd(n, c).to(dt), rnd(n, c, scale=2.0).to(dt), rnd(m, c), idx, prev)
+
+    # hyper-connections: non-power-of-two streams, split mixing reduction (decode), many tokens
+    for dt in DTS:
+        for t, s, d, iters in ((7, 3, 40, 20), (1, 4, 64, 20), (21, 2, 24, 3)):
+            x = rnd(t, s, d).to(dt)
+            fn, base, scale = rnd((2 + s) * s, s * d, scale=0.1), rnd((2 + s) * s, scale=0.5), torch.rand(3, generator=g) + 0.5
+            out, post, comb = check("mhc_pre", dt, x, fn, base, scale, 1e-6, 1e-6, iters, what=(t, s, d))
+            check("mhc_post", dt, rnd(t, d).to(dt), x, post, comb)
+            check("mhc_head", dt, x, rnd(s, s * d, scale=0.1), rnd(s, scale=0.5), torch.rand(1, generator=g) + 0.5, 1e-6, 1e-6)
+        x = rnd(5, 8, 24)[:, 2:6].to(dt)
+        check("mhc_pre", dt, x, rnd(24, 96, scale=0.1), rnd(24, scale=0.5), torch.rand(3, generator=g) + 0.5, 1e-6, 1e-6, 20)
+
+    # routing: many experts, ragged expert counts, every scoring function, with and without bias
+    for dt in DTS:
+        for t, e, k in ((9, 64, 6), (4, 10, 3)):
+            logits = torch.stack([torch.randperm(e, generator=g) for _ in range(t)]).float().mul(0.125).sub(e / 16).to(dt)
+            for scoring in ("sqrtsoftplus", "sigmoid", "softmax"):
+                for bias in (None, torch.randperm(e, generator=g).float() * 0.01):
+                    w, ids = cu.moe_route(logits, bias, k, 2.5, scoring, True)
+                    rw, rids = ref.moe_route(logits.double(), None if bias is None else bias.double(), k, 2.5, scoring, True)
+                    assert torch.equal(ids, rids), (scoring, ids, rids)
+                    close(w, rw.float(), 1e-5, ("route", scoring))
+            table = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(50)])
+            tok = torch.randint(0, 50, (t,), generator=g)
+            w, ids = cu.hash_route(logits, tok, table, 1.5, "softmax", False)
+            rw, rids = ref.hash_route(logits.double(), tok, table, 1.5, "softmax", False)
+            assert torch.equal(ids, rids)
+            close(w, rw.float(), 1e-5, "hash")
+    # softplus of very negative and large logits keeps full relative precision
+    z = torch.tensor([[-30.0, -20.0, -5.0, 0.0, 15.0, 25.0]])
+    w, _ = cu.moe_route(z, None, 6, 1.0, "sqrtsoftplus", False)
+    rw, _ = ref.moe_route(z.double(), None, 6, 1.0, "sqrtsoftplus", False)
+    assert ((w.double() - rw).abs() / rw).max() < 1e-6, (w, rw)
+
+    # experts: several tiles per expert, ragged sizes, -1 and foreign ids, clamp and no clamp
+    for dt in DTS:
+        for t, d, i, e, k, limit in ((13, 24, 20, 5, 3, 0.7), (30, 16, 8, 2, 2, None), (1, 32, 16, 8, 4, 10.0)):
+            ids = pad(torch.randint(0, e + 2, (t, k), generator=g), 0.15)
+            w13, w2 = rnd(e, 2 * i, d, scale=0.3).to(dt), rnd(e, d, i, scale=0.3).to(dt)
+            check("moe_experts", dt, rnd(t, d).to(dt), ids, torch.rand(t, k, generator=g), w13, w2, limit, what=(t, d, i, e, k))
+        check("swiglu", dt, rnd(3, 5, 70, scale=3).to(dt), rnd(3, 5, 70, scale=3).to(dt), 2.0)
+        gate = rnd(6, 90, scale=3)[:, 5:75].to(dt)
+        check("swiglu", dt, gate, rnd(6, 70).to(dt), None)
+
+    # cache writes: matrix rows, a cast into the pool dtype, strided values, -1 slots
+    for pool_dt in (torch.float32, torch.bfloat16):
+        pool = rnd(20, 3, 50).to(pool_dt)
+        vals = rnd(5, 3, 60)[:, :, 5:55]
+        slots = torch.tensor([7, -1, 0, 19, -1])
+        want = pool.clone()
+        ref.cache_write(want, slots, vals)
+        cu.cache_write(pool, slots, vals)
+        assert torch.equal(pool, want)
+
+    mods = ("attention", "indexer", "compressor", "mhc", "moe", "experts", "cache")
+    for mod in mods:
+        assert "deepinfer_cuda.triton_" + mod in sys.modules, mod
+    print("ok")
+    """
+)
+
+
+def test_model_kernels_match_reference_beyond_spec_shapes() -> None:
+    proc = _run(["-c", _MODEL_OPS_BEYOND_SPECS], interpret=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
 def test_cpu_tensors_without_interpreter_are_refused_clearly() -> None:
     script = textwrap.dedent(
         """
@@ -237,3 +379,93 @@ _COMPILE_FOR_GPUS = textwrap.dedent(
 def test_triton_kernels_compile_for_hopper_and_blackwell() -> None:
     proc = _run(["-c", _COMPILE_FOR_GPUS], interpret=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok 14", proc.stdout + proc.stderr
+
+
+# The model kernels at their largest tiles and V4-Flash sizes, lowered to cubins
+# for sm_90 and sm_100; each must fit the shared memory one block may use there.
+_COMPILE_MODEL_KERNELS_FOR_GPUS = textwrap.dedent(
+    """
+    import triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.autotuner import Autotuner
+    from deepinfer_cuda import (triton_attention, triton_cache, triton_compressor, triton_experts, triton_indexer,
+                                triton_mhc, triton_moe)
+
+    SMEM_LIMIT = 227 * 1024  # the most shared memory one block may use on sm_90 and sm_100
+
+    def compile_for(kernel, sig, consts, warps, arch, stages=3):
+        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        signature = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
+        target = GPUTarget("cuda", arch, 32)
+        options = make_backend(target).parse_options({"num_warps": warps, "num_stages": stages}).__dict__
+        compiled = triton.compile(ASTSource(fn, signature, consts), target=target, options=options)
+        assert compiled.asm["cubin"] and compiled.metadata.shared <= SMEM_LIMIT, (fn.__name__, compiled.metadata.shared)
+
+    i32, i64, f32, bf, pf, pl = "i32", "i64", "fp32", "*bf16", "*fp32", "*i64"
+    attn = dict(q_ptr=bf, kv_ptr=bf, idx_ptr=pl, sink_ptr=pf, out_ptr=bf, part_m_ptr=pf, part_l_ptr=pf, H=i32, D=i32, K=i32,
+                N=i32, SLICE=i32, qk_scale=f32, stride_qt=i64, stride_qh=i64, stride_kv=i64, stride_it=i64, stride_ot=i64,
+                stride_oh=i64)
+    expert = dict(pairs_ptr=pl, block_expert_ptr="*i32", E=i32, N=i32, K=i32, stride_we=i64, stride_wn=i64)
+    cases = [
+        # the largest tiles of the autotuned kernels, at V4-Flash head sizes
+        (triton_attention._sparse_attention_kernel, attn,
+         dict(SPLIT=False, DOT=tl.bfloat16, PREC="tf32", BLOCK_H=16, BLOCK_D=512, BLOCK_N=64), 8, 3),
+        (triton_attention._sparse_attention_kernel, dict(attn, out_ptr=pf),
+         dict(SPLIT=True, DOT=tl.float32, PREC="ieee", BLOCK_H=16, BLOCK_D=512, BLOCK_N=32), 8, 3),
+        # the smallest tiles (tiny models, the op specs): a head block below the MMA size, a single indexer head
+        (triton_attention._sparse_attention_kernel, attn,
+         dict(SPLIT=False, DOT=tl.bfloat16, PREC="tf32", BLOCK_H=2, BLOCK_D=16, BLOCK_N=32), 4, 2),
+        (triton_indexer._indexer_scores_kernel,
+         dict(q_ptr=bf, w_ptr=bf, keys_ptr=bf, idx_ptr=pl, out_ptr=pf, H=i32, D=i32, K=i32, N=i32, scale=f32, stride_qt=i64,
+              stride_qh=i64, stride_wt=i64, stride_k=i64, stride_it=i64, stride_ot=i64),
+         dict(DOT=tl.bfloat16, PREC="tf32", BLOCK_H=1, BLOCK_D=16, BLOCK_N=64), 4, 2),
+        (triton_attention._merge_slices_kernel,
+         dict(part_ptr=pf, part_m_ptr=pf, part_l_ptr=pf, sink_ptr=pf, out_ptr=bf, H=i32, D=i32, S=i32, stride_ot=i64, stride_oh=i64),
+         dict(BLOCK_H=16, BLOCK_D=512), 4, 1),
+        (triton_indexer._indexer_scores_kernel,
+         dict(q_ptr=bf, w_ptr=bf, keys_ptr=bf, idx_ptr=pl, out_ptr=pf, H=i32, D=i32, K=i32, N=i32, scale=f32, stride_qt=i64,
+              stride_qh=i64, stride_wt=i64, stride_k=i64, stride_it=i64, stride_ot=i64),
+         dict(DOT=tl.bfloat16, PREC="tf32", BLOCK_H=64, BLOCK_D=128, BLOCK_N=128), 8, 3),
+        (triton_compressor._compress_kv_kernel,
+         dict(kv_ptr=bf, gate_ptr=bf, bias_ptr=pf, idx_ptr=pl, prev_ptr=pl, out_ptr=bf, M=i32, DOUT=i32, N=i32, stride_kv=i64,
+              stride_g=i64, stride_b=i64, stride_i=i64, stride_p=i64, stride_o=i64),
+         dict(HAS_PREV=True, BLOCK_M=32, BLOCK_C=128), 16, 1),
+        (triton_mhc._mix_kernel,
+         dict(x_ptr=bf, fn_ptr=pf, part_ptr=pf, sq_ptr=pf, T=i32, KD=i32, NU=i32, SLICE=i32, stride_x=i64, stride_f=i64),
+         dict(PREC="tf32", BLOCK_T=16, BLOCK_U=32, BLOCK_K=64), 4, 3),
+        (triton_mhc._finish_kernel,
+         dict(x_ptr=bf, part_ptr=pf, sq_ptr=pf, base_ptr=pf, scale_ptr=pf, out_ptr=bf, post_ptr=pf, comb_ptr=pf, T=i32, NS=i32,
+              D=i32, S=i32, ITERS=i32, norm_eps=f32, hc_eps=f32, stride_xt=i64, stride_xn=i64, stride_ot=i64),
+         dict(HEAD=False, BLOCK_T=16, BLOCK_S=4, BLOCK_D=64, BLOCK_U=32), 8, 1),
+        (triton_mhc._post_kernel,
+         dict(y_ptr=bf, x_ptr=bf, post_ptr=pf, comb_ptr=pf, out_ptr=bf, NS=i32, D=i32, stride_yt=i64, stride_xt=i64,
+              stride_xn=i64, stride_pt=i64, stride_ct=i64, stride_cj=i64, stride_ot=i64, stride_on=i64),
+         dict(BLOCK_S=4, BLOCK_D=512), 4, 1),
+        (triton_moe._route_kernel,
+         dict(logits_ptr=bf, bias_ptr=pf, table_ptr=pl, tok_ptr=pl, w_ptr=pf, ids_ptr=pl, T=i32, E=i32, TOPK=i32,
+              routed_scaling=f32, stride_l=i64, stride_tab=i64),
+         dict(SCORING=0, HAS_BIAS=True, HASH=False, RENORM=True, BLOCK_T=16, BLOCK_E=256, BLOCK_K=8), 16, 1),
+        (triton_moe._swiglu_kernel,
+         dict(gate_ptr=bf, up_ptr=bf, out_ptr=bf, W=i32, stride_g=i64, stride_u=i64, stride_o=i64, limit=f32),
+         dict(HAS_LIMIT=True, BLOCK=2048), 8, 1),
+        (triton_experts._up_kernel, dict(expert, x_ptr=bf, w_ptr=bf, act_ptr=bf, TOPK=i32, stride_x=i64, stride_a=i64, limit=f32),
+         dict(HAS_LIMIT=True, DOT=tl.bfloat16, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), 8, 3),
+        (triton_experts._down_kernel, dict(expert, act_ptr=bf, w_ptr=bf, y_ptr=pf, weights_ptr=pf, stride_a=i64, stride_y=i64),
+         dict(DOT=tl.bfloat16, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), 8, 3),
+        (triton_experts._sum_kernel,
+         dict(y_ptr=pf, ids_ptr=pl, out_ptr=bf, E=i32, D=i32, TOPK=i32, stride_y=i64, stride_o=i64), dict(BLOCK_D=1024), 4, 1),
+        (triton_cache._cache_write_kernel,
+         dict(pool_ptr=bf, slots_ptr=pl, values_ptr=bf, N=i32, W=i32, stride_p=i64, stride_v=i64), dict(BLOCK=2048), 8, 1),
+    ]
+    for arch in (90, 100):
+        for kernel, sig, consts, warps, stages in cases:
+            compile_for(kernel, sig, consts, warps, arch, stages)
+    print("ok", 2 * len(cases))
+    """
+)
+
+
+def test_model_kernels_compile_for_hopper_and_blackwell() -> None:
+    proc = _run(["-c", _COMPILE_MODEL_KERNELS_FOR_GPUS], interpret=False, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok 32", proc.stdout + proc.stderr

@@ -2,8 +2,11 @@
 
 Triton is imported only when a kernel runs (the ``triton_*`` modules are
 imported inside the methods), so listing plugins never imports it. Empty
-batches return without launching anything. Dtypes the kernels do not handle
-(anything outside ``launch.KERNEL_DTYPES``) run the reference.
+batches return without launching anything (the model ops hand them to the
+reference, which computes nothing for them). Dtypes the kernels do not handle
+(anything outside ``launch.KERNEL_DTYPES``, for the DeepSeek-V4 model ops
+outside ``launch.MODEL_DTYPES`` or with operands of mixed dtypes) run the
+reference. ``topk_select`` stays the reference: it is one torch sort.
 """
 
 from __future__ import annotations
@@ -11,8 +14,14 @@ from __future__ import annotations
 import torch
 
 from deepinfer_interfaces import Kernels
+from deepinfer_interfaces.kernels.moe import SCORING_FUNCS
 
-from .launch import KERNEL_DTYPES, check_device
+from .launch import KERNEL_DTYPES, MODEL_DTYPES, check_device
+
+
+def _model_dtypes(*tensors: torch.Tensor) -> bool:
+    """True when every tensor has one dtype the model kernels handle."""
+    return tensors[0].dtype in MODEL_DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)
 
 
 class CUDAKernels(Kernels):
@@ -65,3 +74,155 @@ class CUDAKernels(Kernels):
         from .triton_bitmask import apply_token_bitmask
 
         return apply_token_bitmask(logits, bitmask)
+
+    def cache_write(self, pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Scatters value rows into pool rows, ``-1`` slots skipped, without a host sync (see ``Kernels.cache_write``)."""
+        if slots.numel() == 0:
+            return
+        if not pool.is_contiguous():
+            return super().cache_write(pool, slots, values)
+        check_device("cache_write", pool, slots, values)
+        from .triton_cache import cache_write
+
+        cache_write(pool, slots, values)
+
+    def sparse_attention(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Online-softmax attention over gathered rows with sinks, split over the rows at decode (see ``Kernels.sparse_attention``)."""
+        if q.shape[0] == 0 or indices.shape[-1] == 0 or not _model_dtypes(q, kv):
+            return super().sparse_attention(q, kv, indices, sinks, scale)
+        check_device("sparse_attention", q, kv, indices, sinks)
+        from .triton_attention import sparse_attention
+
+        return sparse_attention(q, kv, indices, sinks, scale)
+
+    def indexer_scores(
+        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Head-summed ReLU scores of gathered keys in one pass (see ``Kernels.indexer_scores``)."""
+        if indices.shape[0] == 0 or indices.shape[-1] == 0 or not _model_dtypes(q, keys):
+            return super().indexer_scores(q, weights, keys, indices, scale)
+        check_device("indexer_scores", q, weights, keys, indices)
+        from .triton_indexer import indexer_scores
+
+        return indexer_scores(q, weights, keys, indices, scale)
+
+    def compress_kv(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        position_bias: torch.Tensor,
+        indices: torch.Tensor,
+        prev_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Gated softmax pooling of each window, per channel, online (see ``Kernels.compress_kv``)."""
+        if indices.shape[0] == 0 or not _model_dtypes(kv, gate):
+            return super().compress_kv(kv, gate, position_bias, indices, prev_indices)
+        check_device("compress_kv", kv, gate, position_bias, indices, *([] if prev_indices is None else [prev_indices]))
+        from .triton_compressor import compress_kv
+
+        return compress_kv(kv, gate, position_bias, indices, prev_indices)
+
+    def mhc_pre(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused norm + mixing matmul, then sigmoid / Sinkhorn / collapse (see ``Kernels.mhc_pre``)."""
+        if x.shape[0] == 0 or x.dtype not in MODEL_DTYPES:
+            return super().mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        check_device("mhc_pre", x, fn, base, scale)
+        from .triton_mhc import mhc_pre
+
+        return mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+    def mhc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """Stream expansion and residual mixing in one pass (see ``Kernels.mhc_post``)."""
+        if x.shape[0] == 0 or x.dtype not in MODEL_DTYPES:
+            return super().mhc_post(y, x, post, comb)
+        check_device("mhc_post", y, x, post, comb)
+        from .triton_mhc import mhc_post
+
+        return mhc_post(y, x, post, comb)
+
+    def mhc_head(
+        self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float
+    ) -> torch.Tensor:
+        """The final stream collapse, as ``mhc_pre`` without post and Sinkhorn (see ``Kernels.mhc_head``)."""
+        if x.shape[0] == 0 or x.dtype not in MODEL_DTYPES:
+            return super().mhc_head(x, fn, base, scale, norm_eps, hc_eps)
+        check_device("mhc_head", x, fn, base, scale)
+        from .triton_mhc import mhc_head
+
+        return mhc_head(x, fn, base, scale, norm_eps, hc_eps)
+
+    def moe_route(
+        self,
+        logits: torch.Tensor,
+        bias: torch.Tensor | None,
+        top_k: int,
+        routed_scaling: float,
+        scoring: str = "sqrtsoftplus",
+        renormalize: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scoring, biased top-k, renormalisation and scaling in one kernel (see ``Kernels.moe_route``)."""
+        if (
+            logits.shape[0] == 0
+            or not 0 < top_k <= logits.shape[-1]
+            or logits.dtype not in MODEL_DTYPES
+            or scoring not in SCORING_FUNCS
+        ):
+            return super().moe_route(logits, bias, top_k, routed_scaling, scoring, renormalize)
+        check_device("moe_route", logits, *([] if bias is None else [bias]))
+        from .triton_moe import route
+
+        return route(logits, bias, top_k, routed_scaling, scoring, renormalize)
+
+    def hash_route(
+        self,
+        logits: torch.Tensor,
+        token_ids: torch.Tensor,
+        tid2eid: torch.Tensor,
+        routed_scaling: float,
+        scoring: str = "sqrtsoftplus",
+        renormalize: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table lookup of the experts and their router weights in one kernel (see ``Kernels.hash_route``)."""
+        if logits.shape[0] == 0 or tid2eid.shape[-1] == 0 or logits.dtype not in MODEL_DTYPES or scoring not in SCORING_FUNCS:
+            return super().hash_route(logits, token_ids, tid2eid, routed_scaling, scoring, renormalize)
+        check_device("hash_route", logits, token_ids, tid2eid)
+        from .triton_moe import route
+
+        return route(logits, None, 0, routed_scaling, scoring, renormalize, token_ids, tid2eid)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+        """Clamped SwiGLU, elementwise in fp32 (see ``Kernels.swiglu``)."""
+        if gate.numel() == 0 or not _model_dtypes(gate, up):
+            return super().swiglu(gate, up, limit)
+        check_device("swiglu", gate, up)
+        from .triton_moe import swiglu
+
+        return swiglu(gate, up, limit)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        limit: float | None,
+    ) -> torch.Tensor:
+        """Grouped clamped-SwiGLU expert matmuls over expert-sorted pairs (see ``Kernels.moe_experts``)."""
+        if x.shape[0] == 0 or topk_ids.shape[-1] == 0 or w13.shape[0] == 0 or not _model_dtypes(x, w13, w2):
+            return super().moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+        check_device("moe_experts", x, topk_ids, topk_weights, w13, w2)
+        from .triton_experts import moe_experts
+
+        return moe_experts(x, topk_ids, topk_weights, w13, w2, limit)

@@ -50,6 +50,10 @@ def num_warps_for(elements: int) -> int:
 #: dtypes the Triton kernels load and store; fp64 accumulates in fp64 like the reference.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
+#: dtypes of the DeepSeek-V4 model kernels (``tl.dot`` operands, fp32 softmax); fp64, the
+#: conformance oracle's dtype, runs the reference there
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def check_device(op: str, *tensors: torch.Tensor) -> None:
     """Triton kernels need CUDA tensors, or CPU tensors under the interpreter; say so clearly otherwise."""

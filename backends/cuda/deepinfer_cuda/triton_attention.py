@@ -1,0 +1,190 @@
+"""Sparse multi-query attention over gathered K=V rows with attention sinks (flash-decoding style).
+
+A program takes one token and a block of heads, walks that token's index
+list in tiles of ``BLOCK_N`` rows and keeps an online softmax in fp32: each
+gathered row is one contiguous ``D``-vector (a coalesced load), read once for
+the whole head block and used as both key and value. ``-1`` (and any index
+outside the pool) scores ``-inf`` and loads nothing. The sink enters as the
+running maximum's starting value with weight ``exp(0) = 1``, so a token with no
+valid index ends with all mass on the sink and an output of zeros, exactly as
+the reference defines it.
+
+When tokens × head blocks cannot fill the GPU (decode), each token's index
+list is cut into slices handled by separate programs; a second kernel merges
+the slices' (max, sum, unnormalised output) and adds the sink.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import autotune_configs, choose, next_power_of_2
+from .triton_common import dot_operands, splits_for
+
+#: log2(e): scores and sinks are kept in the log2 domain so the softmax uses exp2
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+def _configs() -> list[triton.Config]:
+    return autotune_configs(
+        [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in ((32, 4, 2), (64, 4, 2), (32, 8, 3), (64, 8, 3))],
+        triton.Config({"BLOCK_N": 4}, num_warps=1),
+    )
+
+
+def _prune(configs: list[triton.Config], nargs: dict, **_: object) -> list[triton.Config]:
+    """Small heads (tests, tiny models) take the first config instead of benchmarking them all."""
+    return configs[:1] if nargs["D"] <= 64 else configs
+
+
+#: slice lengths are multiples of this, so every BLOCK_N of the configs divides them
+_SLICE_QUANTUM = choose(64, 4)
+
+
+@triton.autotune(configs=_configs(), key=["H", "D", "SPLIT"], prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, part_m_ptr, part_l_ptr,
+    H, D, K, N, SLICE, qk_scale,
+    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
+    SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # axis 0 walks the head blocks of one token before the next token, so they share its rows in L2
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    hb = tl.program_id(0) % head_blocks
+    t = (tl.program_id(0) // head_blocks).to(tl.int64)
+    sl = tl.program_id(1)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(
+        q_ptr + t * stride_qt + heads[:, None].to(tl.int64) * stride_qh + d[None, :],
+        mask=h_ok[:, None] & d_ok[None, :], other=0.0,
+    ).to(DOT)
+    if SPLIT:
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+    else:
+        # the sink is one more logit with no value: start the running max at it, with weight exp(0) = 1
+        m_i = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
+        l_i = tl.full([BLOCK_H], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    start = sl * SLICE
+    end = tl.minimum(start + SLICE, K)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + t * stride_it + n, mask=n < end, other=-1)
+        ok = (idx >= 0) & (idx < N)
+        rows = tl.load(
+            kv_ptr + idx[:, None] * stride_kv + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
+        ).to(DOT)
+        s = tl.dot(q, tl.trans(rows), input_precision=PREC) * qk_scale  # log2 domain
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row that has seen only -inf keeps l = 0; shifting by 0 there avoids inf - inf
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - shift[:, None])
+        alpha = tl.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), rows, input_precision=PREC)
+        m_i = m_new
+    o_ptrs = out_ptr + t * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :]
+    o_mask = h_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        # partial results: out [T, S, H, D] fp32 unnormalised, m and l [T, S, H]
+        stat = (t * tl.num_programs(1) + sl) * H + heads
+        tl.store(part_m_ptr + stat, m_i, mask=h_ok)
+        tl.store(part_l_ptr + stat, l_i, mask=h_ok)
+        tl.store(o_ptrs + sl.to(tl.int64) * H * D, acc, mask=o_mask)
+    else:
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _merge_slices_kernel(
+    part_ptr, part_m_ptr, part_l_ptr, sink_ptr, out_ptr, H, D, S, stride_ot, stride_oh,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    hb = tl.program_id(0) % head_blocks
+    t = (tl.program_id(0) // head_blocks).to(tl.int64)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    d = tl.arange(0, BLOCK_D)
+    mask = h_ok[:, None] & (d < D)[None, :]
+    m = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
+    l = tl.full([BLOCK_H], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(0, S):
+        stat = (t * S + s) * H + heads
+        m_s = tl.load(part_m_ptr + stat, mask=h_ok, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + stat, mask=h_ok, other=0.0)
+        o_s = tl.load(part_ptr + (stat[:, None] * D + d[None, :]), mask=mask, other=0.0)
+        m_new = tl.maximum(m, m_s)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp2(m - shift)
+        b = tl.exp2(m_s - shift)
+        l = l * a + l_s * b
+        acc = acc * a[:, None] + o_s * b[:, None]
+        m = m_new
+    o_ptrs = out_ptr + t * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :]
+    tl.store(o_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """``Kernels.sparse_attention`` on the device for ``T >= 1`` tokens and ``K >= 1`` indices."""
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+        raise ValueError(
+            f"sparse_attention: need q [T, H, D], kv [N, D], indices [T, K]; got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}"
+        )
+    tokens, heads, dim = q.shape
+    if kv.shape[1] != dim or indices.shape[0] != tokens or tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"sparse_attention: kv must be [N, {dim}], indices [{tokens}, K] and sinks [{heads}]; "
+            f"got {tuple(kv.shape)}, {tuple(indices.shape)}, {tuple(sinks.shape)}"
+        )
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv.stride(-1) != 1:
+        kv = kv.contiguous()
+    indices = indices.to(torch.int64)
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    sinks = sinks.contiguous()
+    k = indices.shape[1]
+    dot, prec = dot_operands(q.dtype)
+    block_h = choose(16, 4) if heads >= 16 else max(1, min(next_power_of_2(heads), choose(16, 4)))
+    head_blocks = triton.cdiv(heads, block_h)
+    block_d = max(16, next_power_of_2(dim))  # the reduction dim of q·kᵀ; tl.dot needs 16 for 16-bit operands
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    splits = splits_for(tokens * head_blocks, k, 2 * _SLICE_QUANTUM, q.device)
+    slice_len = triton.cdiv(triton.cdiv(k, splits), _SLICE_QUANTUM) * _SLICE_QUANTUM
+    splits = triton.cdiv(k, slice_len)
+    common = dict(DOT=dot, PREC=prec, BLOCK_H=block_h, BLOCK_D=block_d)
+    qk_scale = float(scale) * LOG2E.value
+    if splits == 1:
+        _sparse_attention_kernel[(head_blocks * tokens, 1)](
+            q, kv, indices, sinks, out, out, out,
+            heads, dim, k, kv.shape[0], k, qk_scale,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+            SPLIT=False, **common,
+        )
+        return out
+    part = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(tokens, splits, heads, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    _sparse_attention_kernel[(head_blocks * tokens, splits)](
+        q, kv, indices, sinks, part, part_m, part_l,
+        heads, dim, k, kv.shape[0], slice_len, qk_scale,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), part.stride(0), part.stride(2),
+        SPLIT=True, **common,
+    )
+    _merge_slices_kernel[(head_blocks * tokens,)](
+        part, part_m, part_l, sinks, out, heads, dim, splits, out.stride(0), out.stride(1),
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=choose(4, 1),
+    )
+    return out

@@ -1,0 +1,94 @@
+"""The lightning indexer's scores: per-head dot products, ReLU and the weighted head sum in one pass.
+
+A program takes one token and a tile of ``BLOCK_N`` candidate entries: it
+gathers their key rows (contiguous, coalesced), multiplies them by all of the
+token's indexer heads at once (``[H, D] × [D, BLOCK_N]``) and reduces over the
+heads in registers, so the ``[T, H, K]`` intermediate of the reference never
+reaches memory. Top-k stays in torch (``Kernels.topk_select``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import autotune_configs, next_power_of_2
+from .triton_common import dot_operands
+
+
+def _configs() -> list[triton.Config]:
+    return autotune_configs(
+        [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in ((64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 3))],
+        triton.Config({"BLOCK_N": 4}, num_warps=1),
+    )
+
+
+def _prune(configs: list[triton.Config], nargs: dict, **_: object) -> list[triton.Config]:
+    """Small heads (tests, tiny models) take the first config instead of benchmarking them all."""
+    return configs[:1] if nargs["D"] * nargs["H"] <= 1024 else configs
+
+
+@triton.autotune(configs=_configs(), key=["H", "D"], prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr, w_ptr, keys_ptr, idx_ptr, out_ptr,
+    H, D, K, N, scale,
+    stride_qt, stride_qh, stride_wt, stride_k, stride_it, stride_ot,
+    DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    h = tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(
+        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0
+    ).to(DOT)
+    w = tl.load(w_ptr + t * stride_wt + h, mask=h_ok, other=0.0).to(tl.float32)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < K
+    idx = tl.load(idx_ptr + t * stride_it + n, mask=n_ok, other=-1)
+    ok = (idx >= 0) & (idx < N)
+    rows = tl.load(keys_ptr + idx[:, None] * stride_k + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+    dots = tl.dot(q, tl.trans(rows), input_precision=PREC)  # [H, BLOCK_N]
+    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
+    score = tl.where(ok, score, float("-inf"))
+    tl.store(out_ptr + t * stride_ot + n, score, mask=n_ok)
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
+    """``Kernels.indexer_scores`` on the device for ``T >= 1`` tokens and ``K >= 1`` candidates; fp32 scores."""
+    if q.dim() != 3 or weights.dim() != 2 or keys.dim() != 2 or indices.dim() != 2:
+        raise ValueError(
+            f"indexer_scores: need q [T, H, D], weights [T, H], keys [N, D], indices [T, K]; got "
+            f"{tuple(q.shape)}, {tuple(weights.shape)}, {tuple(keys.shape)}, {tuple(indices.shape)}"
+        )
+    tokens, heads, dim = q.shape
+    if tuple(weights.shape) != (tokens, heads) or keys.shape[1] != dim or indices.shape[0] != tokens:
+        raise ValueError(
+            f"indexer_scores: weights must be [{tokens}, {heads}], keys [N, {dim}] and indices [{tokens}, K]; "
+            f"got {tuple(weights.shape)}, {tuple(keys.shape)}, {tuple(indices.shape)}"
+        )
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
+    indices = indices.to(torch.int64)
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    k = indices.shape[1]
+    out = torch.empty(tokens, k, dtype=torch.float32, device=q.device)
+    dot, prec = dot_operands(q.dtype)
+    grid = lambda meta: (tokens, triton.cdiv(k, meta["BLOCK_N"]))  # noqa: E731
+    _indexer_scores_kernel[grid](
+        q, weights, keys, indices, out,
+        heads, dim, k, keys.shape[0], float(scale),
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), indices.stride(0), out.stride(0),
+        # D is the reduction dim of the head dot products; tl.dot needs 16 for 16-bit operands
+        DOT=dot, PREC=prec, BLOCK_H=next_power_of_2(heads), BLOCK_D=max(16, next_power_of_2(dim)),
+    )
+    return out

@@ -1,0 +1,244 @@
+"""Manifold-constrained hyper-connections (mHC): the mixing weights, Sinkhorn, collapse and expansion.
+
+``mhc_pre`` and ``mhc_head`` run as two kernels:
+
+1. ``_mix_kernel``: a tile of tokens × a slice of the flattened streams
+   ``n·D``; one pass over ``x`` accumulates both ``x @ fnᵀ`` (``tl.dot``) and
+   the sum of squares for the RMS norm, which factors out of the product as a
+   per-token scalar. When there are few tokens (decode) the ``n·D`` reduction
+   is cut into slices run by separate programs; their partial sums go to a
+   small fp32 buffer.
+2. ``_finish_kernel``: sums the slices, applies the norm and the sigmoid to
+   get ``pre`` (every channel block recomputes these few values rather than
+   reloading them) and collapses the streams ``Σ_j pre_j · x_j`` for its block
+   of channels; the first channel block also computes ``post`` and runs the
+   softmax and Sinkhorn iterations on each token's ``n × n`` matrix in
+   registers, and stores both.
+
+``mhc_post`` is one elementwise-and-small-matmul kernel over ``[T, n, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import choose, interpreting, next_power_of_2, num_warps_for
+from .triton_common import splits_for
+
+
+@triton.jit
+def _mix_kernel(
+    x_ptr, fn_ptr, part_ptr, sq_ptr, T, KD, NU, SLICE, stride_x, stride_f,
+    PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tb = tl.program_id(0)
+    sl = tl.program_id(1)
+    rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_ok = rows < T
+    u = tl.arange(0, BLOCK_U)
+    u_ok = u < NU
+    acc = tl.zeros([BLOCK_T, BLOCK_U], tl.float32)
+    sq = tl.zeros([BLOCK_T], tl.float32)
+    start = sl * SLICE
+    end = tl.minimum(start + SLICE, KD)
+    for k0 in range(start, end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < end
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0
+        ).to(tl.float32)
+        sq += tl.sum(x * x, axis=1)
+        f = tl.load(fn_ptr + u[None, :] * stride_f + kk[:, None], mask=u_ok[None, :] & k_ok[:, None], other=0.0).to(tl.float32)
+        acc = tl.dot(x, f, acc, input_precision=PREC)
+    base = (sl * T + rows).to(tl.int64)
+    tl.store(part_ptr + base[:, None] * BLOCK_U + u[None, :], acc, mask=r_ok[:, None])
+    tl.store(sq_ptr + base, sq, mask=r_ok)
+
+
+@triton.jit
+def _mix_logits(part_ptr, rows, r_ok, cols, col_ok, T, S, BLOCK_U: tl.constexpr):
+    """Sum over slices (at least one) of the partial ``x @ fnᵀ`` at ``cols``, broadcast against ``rows``."""
+    mask = r_ok & col_ok
+    total = tl.load(part_ptr + rows.to(tl.int64) * BLOCK_U + cols, mask=mask, other=0.0)
+    for s in range(1, S):
+        base = (s * T + rows).to(tl.int64)
+        total += tl.load(part_ptr + base * BLOCK_U + cols, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
+def _finish_kernel(
+    x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr,
+    T, NS, D, S, ITERS, norm_eps, hc_eps, stride_xt, stride_xn, stride_ot,
+    HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr,
+):
+    tb = tl.program_id(0)
+    db = tl.program_id(1)
+    rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_ok = rows < T
+    sq = tl.zeros([BLOCK_T], tl.float32)
+    for s in range(0, S):
+        sq += tl.load(sq_ptr + (s * T + rows).to(tl.int64), mask=r_ok, other=0.0)
+    inv = 1.0 / tl.sqrt(sq / (NS * D) + norm_eps)
+    j = tl.arange(0, BLOCK_S)
+    j_ok = j < NS
+    r2 = rows[:, None]
+    ok2 = r_ok[:, None]
+    u_pre = _mix_logits(part_ptr, r2, ok2, j[None, :], j_ok[None, :], T, S, BLOCK_U) * inv[:, None]
+    s0 = tl.load(scale_ptr).to(tl.float32)
+    pre = tl.sigmoid(u_pre * s0 + tl.load(base_ptr + j, mask=j_ok, other=0.0)[None, :]) + hc_eps
+    pre = tl.where(j_ok[None, :], pre, 0.0)
+    if not HEAD:
+        if db == 0:
+            s1 = tl.load(scale_ptr + 1).to(tl.float32)
+            s2 = tl.load(scale_ptr + 2).to(tl.float32)
+            u_post = _mix_logits(part_ptr, r2, ok2, NS + j[None, :], j_ok[None, :], T, S, BLOCK_U) * inv[:, None]
+            post = 2.0 * tl.sigmoid(u_post * s1 + tl.load(base_ptr + NS + j, mask=j_ok, other=0.0)[None, :])
+            tl.store(post_ptr + r2.to(tl.int64) * NS + j[None, :], post, mask=ok2 & j_ok[None, :])
+            # comb[t, j, k] from column 2n + j·n + k
+            r3 = rows[:, None, None]
+            ok3 = r_ok[:, None, None]
+            cell = j[None, :, None] * NS + j[None, None, :]
+            cell_ok = j_ok[None, :, None] & j_ok[None, None, :]
+            z = _mix_logits(part_ptr, r3, ok3, 2 * NS + cell, cell_ok, T, S, BLOCK_U) * inv[:, None, None]
+            z = z * s2 + tl.load(base_ptr + 2 * NS + cell, mask=cell_ok, other=0.0)
+            # softmax over k; padding cells (j or k >= n) stay exactly 0 through every normalisation
+            z_max = tl.max(tl.where(cell_ok, z, float("-inf")), axis=2)
+            z = tl.where(cell_ok, tl.exp(z - tl.where(z_max == float("-inf"), 0.0, z_max)[:, :, None]), 0.0)
+            z_sum = tl.sum(z, axis=2)
+            comb = tl.where(cell_ok, z / tl.where(z_sum > 0, z_sum, 1.0)[:, :, None] + hc_eps, 0.0)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+            for _ in range(1, ITERS):
+                comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+            tl.store(comb_ptr + r3.to(tl.int64) * (NS * NS) + cell, comb, mask=ok3 & cell_ok)
+    d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    x = tl.load(
+        x_ptr + rows[:, None, None].to(tl.int64) * stride_xt + j[None, :, None] * stride_xn + d[None, None, :],
+        mask=r_ok[:, None, None] & j_ok[None, :, None] & d_ok[None, None, :], other=0.0,
+    ).to(tl.float32)
+    out = tl.sum(pre[:, :, None] * x, axis=1)
+    o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _post_kernel(
+    y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, NS, D,
+    stride_yt, stride_xt, stride_xn, stride_pt, stride_ct, stride_cj, stride_ot, stride_on,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    db = tl.program_id(1)
+    j = tl.arange(0, BLOCK_S)
+    j_ok = j < NS
+    d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    y = tl.load(y_ptr + t * stride_yt + d, mask=d_ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t * stride_xt + j[:, None] * stride_xn + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * stride_pt + j, mask=j_ok, other=0.0).to(tl.float32)
+    comb = tl.load(
+        comb_ptr + t * stride_ct + j[:, None] * stride_cj + j[None, :], mask=j_ok[:, None] & j_ok[None, :], other=0.0
+    ).to(tl.float32)
+    # out[k] = post[k] · y + Σ_j comb[j, k] · x[j]
+    mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)
+    out = post[:, None] * y[None, :] + mixed
+    tl.store(
+        out_ptr + t * stride_ot + j[:, None] * stride_on + d[None, :], out.to(out_ptr.dtype.element_ty),
+        mask=j_ok[:, None] & d_ok[None, :],
+    )
+
+
+def _streams(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, n, D]`` with rows of ``n·D`` contiguous values (what the mixing matmul reads)."""
+    if x.dim() != 3:
+        raise ValueError(f"mhc: x must be [T, n, D], got shape {tuple(x.shape)}")
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _mix_and_finish(
+    x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    norm_eps: float, hc_eps: float, iters: int, head: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    tokens, n, dim = x.shape
+    nu = n if head else (2 + n) * n
+    if tuple(fn.shape) != (nu, n * dim) or tuple(base.shape) != (nu,) or scale.numel() != (1 if head else 3):
+        raise ValueError(
+            f"mhc: for x {tuple(x.shape)} need fn [{nu}, {n * dim}], base [{nu}] and scale [{1 if head else 3}]; "
+            f"got {tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}"
+        )
+    dev = x.device
+    fn = fn if fn.stride(-1) == 1 else fn.contiguous()
+    base = base.to(torch.float32).contiguous()
+    scale = scale.to(torch.float32).contiguous()
+    kd = n * dim
+    block_t = choose(16, 8)
+    block_u = max(next_power_of_2(nu), choose(16, 1))
+    block_k = choose(64, 32)
+    token_blocks = triton.cdiv(tokens, block_t)
+    splits = splits_for(token_blocks, kd, 4 * block_k, dev)
+    slice_len = triton.cdiv(triton.cdiv(kd, splits), block_k) * block_k
+    splits = triton.cdiv(kd, slice_len)
+    part = torch.empty(splits, tokens, block_u, dtype=torch.float32, device=dev)
+    sq = torch.empty(splits, tokens, dtype=torch.float32, device=dev)
+    # the streams are rounded to x.dtype already; tf32 products round fn to 10 mantissa bits, within 16-bit tolerances
+    prec = "ieee" if x.dtype == torch.float32 or interpreting() else "tf32"
+    _mix_kernel[(token_blocks, splits)](
+        x, fn, part, sq, tokens, kd, nu, slice_len, kd, fn.stride(0),
+        PREC=prec, BLOCK_T=block_t, BLOCK_U=block_u, BLOCK_K=block_k, num_warps=choose(4, 1),
+    )
+    out = torch.empty(tokens, dim, dtype=x.dtype, device=dev)
+    post = None if head else torch.empty(tokens, n, dtype=torch.float32, device=dev)
+    comb = None if head else torch.empty(tokens, n, n, dtype=torch.float32, device=dev)
+    block_s = next_power_of_2(n)
+    block_d = min(next_power_of_2(dim), choose(max(64, 4096 // (block_t * block_s)), 32))
+    _finish_kernel[(token_blocks, triton.cdiv(dim, block_d))](
+        x, part, sq, base, scale, out, out if post is None else post, out if comb is None else comb,
+        tokens, n, dim, splits, int(iters), float(norm_eps), float(hc_eps), x.stride(0), x.stride(1), out.stride(0),
+        HEAD=head, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_U=block_u,
+        num_warps=num_warps_for(block_t * block_s * block_d),
+    )
+    return out, post, comb
+
+
+def mhc_pre(
+    x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    norm_eps: float, hc_eps: float, sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Kernels.mhc_pre`` on the device for ``T >= 1`` tokens."""
+    out, post, comb = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False)
+    assert post is not None and comb is not None
+    return out, post, comb
+
+
+def mhc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float) -> torch.Tensor:
+    """``Kernels.mhc_head`` on the device for ``T >= 1`` tokens."""
+    return _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, 0, head=True)[0]
+
+
+def mhc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``Kernels.mhc_post`` on the device for ``T >= 1`` tokens."""
+    if x.dim() != 3:
+        raise ValueError(f"mhc_post: x must be [T, n, D], got shape {tuple(x.shape)}")
+    tokens, n, dim = x.shape
+    if tuple(y.shape) != (tokens, dim) or tuple(post.shape) != (tokens, n) or tuple(comb.shape) != (tokens, n, n):
+        raise ValueError(
+            f"mhc_post: for x {tuple(x.shape)} need y [{tokens}, {dim}], post [{tokens}, {n}], comb [{tokens}, {n}, {n}]; "
+            f"got {tuple(y.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}"
+        )
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    post = post if post.stride(-1) == 1 else post.contiguous()
+    comb = comb if comb.stride(-1) == 1 else comb.contiguous()
+    out = torch.empty(tokens, n, dim, dtype=x.dtype, device=x.device)
+    block_s = next_power_of_2(n)
+    block_d = min(next_power_of_2(dim), choose(max(128, 2048 // block_s), 32))
+    _post_kernel[(tokens, triton.cdiv(dim, block_d))](
+        y, x, post, comb, out, n, dim,
+        y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), out.stride(0), out.stride(1),
+        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=num_warps_for(block_s * block_s * block_d // 2),
+    )
+    return out
