@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/deepinfer backends
+	$(BIN)/deepinfer generate --prompt "def read_file(path):" --max-tokens 48
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

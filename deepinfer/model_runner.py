@@ -34,6 +34,7 @@ class CachePlan:
     num_slots: int
     bytes_per_block: int
     bytes_per_slot: int
+    #: bytes the pools take (at most the configured budget)
     budget: int
 
     @property
@@ -44,7 +45,7 @@ class CachePlan:
         mib = 1 << 20
         return (
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({self.token_capacity} tokens of compressed state) "
-            f"+ {self.num_slots} sequence slots, {self.budget / mib:.1f} MiB budget"
+            f"+ {self.num_slots} sequence slots, {self.budget / mib:.1f} MiB"
         )
 
 
@@ -92,7 +93,9 @@ class ModelRunner:
         slots = cfg.max_num_seqs
         need_blocks = -(-self.max_model_len // block_size)
         remaining = budget - slots * per_slot
-        num_blocks = remaining // per_block if per_block else slots * need_blocks
+        # more blocks than every slot at max_model_len can use would only hold cold prefixes
+        ceiling = slots * need_blocks
+        num_blocks = min(remaining // per_block, ceiling) if per_block else ceiling
         if remaining < 0 or num_blocks < need_blocks:
             need = slots * per_slot + need_blocks * per_block
             raise ConfigError(
@@ -100,7 +103,8 @@ class ModelRunner:
                 f"{slots} sequence slots take {slots * per_slot} bytes and {need_blocks} blocks take {need_blocks * per_block} "
                 f"(at least {need} bytes needed); raise kv_cache_memory or lower max_model_len / max_num_seqs"
             )
-        return CachePlan(block_size, int(num_blocks), slots, per_block, per_slot, budget)
+        used = slots * per_slot + int(num_blocks) * per_block
+        return CachePlan(block_size, int(num_blocks), slots, per_block, per_slot, used)
 
     def execute(
         self,

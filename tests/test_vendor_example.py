@@ -32,7 +32,8 @@ def test_example_is_discovered_with_its_overrides(installed):
 
 def test_example_passes_conformance(installed, tmp_path):
     report = tmp_path / "r.json"
-    proc = run_cli(["conformance", "--backend", "example", "--report", str(report)], extra_path=installed)
+    proc = run_cli(["conformance", "--backend", "example", "--suite", "ops,e2e", "--report", str(report)], extra_path=installed)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(report.read_text())
     assert data["backend"] == "example" and data["summary"]["fail"] == 0 and data["summary"]["error"] == 0
+    assert {r["suite"] for r in data["results"]} == {"ops", "e2e"}  # e2e on the bundled model

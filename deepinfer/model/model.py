@@ -64,6 +64,8 @@ class DeepseekV4Model(ParamTree):
         self.rope_compress = Rotary(c.rope_compress, c.qk_rope_head_dim, c.max_position_embeddings, device)
         #: checkpoint tensors kept aside by ``from_pretrained`` (the ``mtp.*`` draft layers)
         self.extra_tensors: dict[str, torch.Tensor] = {}
+        #: per layer index asked for in ``forward(..., hidden_layers=...)``, its mean output stream ``[T, D]``
+        self.hidden_states: dict[int, torch.Tensor] = {}
 
     @classmethod
     def from_pretrained(
@@ -90,18 +92,23 @@ class DeepseekV4Model(ParamTree):
         }
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, cache: ModelCache) -> torch.Tensor:
+    def forward(self, batch: Batch, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
         """Run one step: write every layer's state for the batch's tokens into
         ``cache`` and return ``[len(batch.logits_indices), vocab]`` logits in the
-        model dtype."""
+        model dtype. For each layer index in ``hidden_layers`` (the DSpark draft's
+        target layers), ``self.hidden_states[i]`` is set to ``[T, D]``: the mean of
+        that layer's output streams for every batch token."""
         k = self.kernels
         c = self.config
         cache.begin_forward(batch)
         metas = self.layer_metadata(batch, cache)
         x = self.embed[batch.input_ids]
         streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
+        self.hidden_states = {}
         for layer in self.layers:
             streams = layer(k, streams, batch.input_ids, metas[layer.layer_type], cache)
+            if layer.index in hidden_layers:
+                self.hidden_states[layer.index] = streams.mean(dim=1)
         rows = streams[batch.logits_indices]
         h = k.mhc_head(rows, self.hc_fn, self.hc_base, self.hc_scale, c.rms_norm_eps, c.hc_eps)
         h = k.rms_norm(h, self.norm, c.rms_norm_eps)

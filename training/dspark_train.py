@@ -1,0 +1,270 @@
+"""Phase 2: training the DSpark draft stages against the frozen target, and measuring acceptance.
+
+The draft is the engine's own ``DSparkDraft`` on the reference ``Kernels`` (their
+ops are plain differentiable PyTorch), so what is trained is exactly what the
+engine runs. The frozen transformers target supplies, per training window, the
+hidden states of the ``dspark_target_layer_ids`` layers (mean of each layer's
+output streams) and its next-token distributions. A quarter of the windows are
+training text, the rest are the target's own greedy continuations of training
+prompts, on which the target's argmax is the next token everywhere, as in the
+greedy verification the draft is measured against.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.model import DeepseekV4Model
+from deepinfer.model.dspark import DSparkConfig, DSparkDraft
+from deepinfer_interfaces import Kernels
+
+from .data import fixed_windows, random_windows
+
+
+def dspark_fields(num_layers: int, noise_id: int, window: int, markov_rank: int) -> dict:
+    """The ``dspark_*`` config.json fields of the bundled draft: three stages over the middle and last target layers."""
+    return dict(
+        dspark_num_stages=3,
+        dspark_block_size=5,
+        dspark_target_layer_ids=[num_layers // 2 - 1, num_layers - 1],
+        dspark_noise_token_id=noise_id,
+        dspark_markov_rank=markov_rank,
+        dspark_context_window=window,
+        num_nextn_predict_layers=3,
+    )
+
+
+class FrozenTarget:
+    """The transformers target, with forward hooks collecting the draft's target-layer hidden states."""
+
+    def __init__(self, hf_model, layer_ids: list[int]) -> None:
+        self.model = hf_model.eval().requires_grad_(False)
+        self.layer_ids = layer_ids
+        self._out: dict[int, torch.Tensor] = {}
+        self._handles = [hf_model.model.layers[i].register_forward_hook(self._keep(i)) for i in layer_ids]
+
+    def _keep(self, i: int):
+        def hook(_module, _inputs, output) -> None:
+            self._out[i] = (output[0] if isinstance(output, tuple) else output).mean(dim=2)
+
+        return hook
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, S]`` tokens → (``[B, S, V]`` logits, ``[B, S, L, D]`` target-layer hidden states)."""
+        logits = self.model(input_ids=x, use_cache=False).logits
+        hidden = torch.stack([self._out[i] for i in self.layer_ids], dim=2)
+        self._out.clear()
+        return logits, hidden
+
+    @torch.no_grad()
+    def greedy(self, x: torch.Tensor, steps: int) -> torch.Tensor:
+        """``[B, S + steps]``: ``x`` followed by the target's greedy continuation (decoded through transformers' cache)."""
+        out = self.model(input_ids=x, use_cache=True)
+        for i in range(steps):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            x = torch.cat([x, nxt], dim=1)
+            if i + 1 < steps:
+                out = self.model(input_ids=nxt, cache=out.cache, use_cache=True)
+        self._out.clear()
+        return x
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def init_draft(draft: DSparkDraft, target: DeepseekV4Model, gen: torch.Generator) -> None:
+    """Warm start: each stage copies the target's sliding layer's attention and a routed layer's MoE and mHC; heads start small."""
+    tparams = target.named_parameters()
+    routed = [i for i, t in enumerate(target.config.mlp_layer_types) if t == "moe"]
+    sliding = target.config.layer_types.index("sliding_attention")
+    with torch.no_grad():
+        for s, stage in enumerate(draft.stages):
+            src_ffn = routed[s % len(routed)]
+            for name, p in stage.named_parameters().items():
+                if name.startswith(("main_", "hc_head", "norm.", "markov_head", "confidence_head")):
+                    continue
+                layer = sliding if name.startswith("attn.") else src_ffn
+                p.copy_(tparams[f"model.layers.{layer}.{name}"])
+        width = draft.main_norm.shape[0]
+        draft.main_norm.fill_(1.0)
+        draft.main_proj.copy_(torch.randn(draft.main_proj.shape, generator=gen) * width**-0.5)
+        draft.hc_fn.copy_(tparams["model.hc_head.hc_fn"])
+        draft.hc_base.copy_(tparams["model.hc_head.hc_base"])
+        draft.hc_scale.copy_(tparams["model.hc_head.hc_scale"])
+        draft.norm.copy_(tparams["model.norm.weight"])
+        draft.markov_embed.copy_(torch.randn(draft.markov_embed.shape, generator=gen) * 0.02)
+        draft.markov_proj.zero_()
+        draft.conf_w.zero_()
+        draft.conf_b.zero_()
+
+
+def trainable(draft: DSparkDraft) -> list[torch.Tensor]:
+    """The draft's leaf tensors (stacked expert weights once, not their per-expert views), made trainable."""
+    leaves: dict[int, torch.Tensor] = {}
+    for t in draft.named_parameters().values():
+        base = t._base if t._base is not None else t
+        leaves[id(base)] = base
+    out = [t for t in leaves.values() if t.is_floating_point()]
+    for t in out:
+        t.requires_grad_(True)
+    return out
+
+
+def ring_rows(batch: int, seq_len: int, anchors: torch.Tensor, window: int) -> torch.Tensor:
+    """``[B·A, W]`` rows of a ``[B·S]`` context pool each anchor sees: positions ``[t − W, t)`` of its own window."""
+    offs = torch.arange(window) - window  # -W .. -1
+    pos = anchors[:, :, None] + offs  # [B, A, W]
+    rows = torch.arange(batch)[:, None, None] * seq_len + pos
+    return torch.where(pos >= 0, rows, torch.full_like(rows, -1)).reshape(-1, window)
+
+
+def block_loss(draft: DSparkDraft, x: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the blocks anchored at ``anchors`` ``[B, A]``: the draft loss (cross-entropy on the target's argmax
+    plus half the KL to its distribution), the confidence head's loss, and the per-position hit rate."""
+    b, s = x.shape
+    g = draft.config.dspark_block_size
+    ctx = draft.context(hidden.reshape(b * s, *hidden.shape[2:]))
+    ctx_kv = draft.context_kv(ctx, torch.arange(s).repeat(b))
+    rows = ring_rows(b, s, anchors, draft.config.dspark_context_window)
+    bi = torch.arange(b)[:, None].expand_as(anchors).reshape(-1)
+    t = anchors.reshape(-1)
+    h = draft.hidden(x[bi, t], t, ctx_kv, rows, ctx[bi * s + t - 1])  # [N, g, D]
+    span = t[:, None] + torch.arange(g)  # positions whose next token each block position proposes
+    teacher = logits[bi[:, None], span]  # [N, g, V]
+    labels = teacher.argmax(-1)
+    prev = torch.cat([x[bi, t][:, None], labels[:, :-1]], dim=1)
+    out = draft.logits(h, prev)
+    logp = F.log_softmax(out, dim=-1)
+    kl = F.kl_div(logp, F.log_softmax(teacher, dim=-1), log_target=True, reduction="none").sum(-1).mean()
+    kl = 0.5 * kl + F.nll_loss(logp.reshape(-1, logp.shape[-1]), labels.reshape(-1))
+    with torch.no_grad():
+        probs = logp.exp()
+        top_p, top = probs.max(-1)
+        hit = (top == labels).float()
+    conf = F.binary_cross_entropy_with_logits(draft.accept_logit(h.detach(), top_p), hit)
+    return kl, conf, hit.mean(0)
+
+
+def train_dspark(target_hf, target: DeepseekV4Model, draft: DSparkDraft, train_ids: torch.Tensor, *, steps: int, batch: int,
+                 seq_len: int, anchors: int, lr: float, seed: int, generated: int, log_every: int = 20) -> list[dict]:
+    """Train the draft on real windows and on the target's greedy continuations; returns the log."""
+    gen = torch.Generator().manual_seed(seed)
+    frozen = FrozenTarget(target_hf, draft.config.dspark_target_layer_ids)
+    g = draft.config.dspark_block_size
+    start = time.monotonic()
+    # greedy continuations of real prompts whose length varies by generation batch, so anchors range
+    # from the last real token (exactly the held-out measurement) deep into the target's own text
+    lengths = [max(seq_len * (2 + i % 6) // 16, 1) for i in range(0, generated, 32)]
+    synthetic, prompt_lens = [], []
+    for i, p_len in zip(range(0, generated, 32), lengths):
+        prompts = random_windows(train_ids, min(32, generated - i), p_len, gen)
+        synthetic.append(frozen.greedy(prompts, seq_len - p_len))
+        prompt_lens += [p_len] * prompts.shape[0]
+    synthetic, prompt_lens = torch.cat(synthetic), torch.tensor(prompt_lens)
+    print(f"dspark: {generated} greedy continuations of the target generated in {time.monotonic() - start:.0f}s", flush=True)
+    params = trainable(draft)
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    log = []
+    try:
+        for step in range(steps):
+            for grp in opt.param_groups:
+                grp["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+            n_real = max(batch // 4, 1)
+            real = random_windows(train_ids, n_real, seq_len, gen)
+            pick = torch.randint(0, synthetic.shape[0], (batch - n_real,), generator=gen)
+            x = torch.cat([real, synthetic[pick]])
+            logits, hidden = frozen(x)
+            # real windows: anchors anywhere with a context; synthetic: from the last prompt token on, that one always
+            low = torch.cat([torch.ones(n_real, dtype=torch.long), prompt_lens[pick] - 1])
+            u = torch.rand(x.shape[0], anchors, generator=gen)
+            a = low[:, None] + (u * (seq_len - g - low)[:, None].float()).long()
+            a[n_real:, 0] = low[n_real:]
+            kl, conf, hit = block_loss(draft, x, logits, hidden, a)
+            (kl + conf).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step % log_every == 0 or step == steps - 1:
+                entry = dict(step=step, kl=kl.item(), confidence_bce=conf.item(), hit=[round(v, 3) for v in hit.tolist()],
+                             seconds=time.monotonic() - start)
+                log.append(entry)
+                print(f"dspark step {step:4d}  KL {entry['kl']:.3f}  conf {entry['confidence_bce']:.3f}  "
+                      f"hit/position {entry['hit']}  {entry['seconds']:.0f}s", flush=True)
+    finally:
+        frozen.close()
+        for p in params:
+            p.requires_grad_(False)
+            p.grad = None
+    return log
+
+
+@torch.no_grad()
+def acceptance(target_hf, draft: DSparkDraft, heldout_ids: torch.Tensor, seq_len: int, limit: int | None = None) -> dict:
+    """Offline acceptance on held-out text at temperature 0.
+
+    Each held-out window of ``seq_len`` tokens is a prefix; the target continues it
+    greedily for ``γ`` tokens and the draft proposes ``γ`` tokens from the prefix's
+    last token. The accepted length is the number of leading drafted tokens equal
+    to the target's. Calibration compares each position's mean predicted survival
+    probability with the share of drafts that got past it.
+    """
+    g = draft.config.dspark_block_size
+    frozen = FrozenTarget(target_hf, draft.config.dspark_target_layer_ids)
+    try:
+        windows = fixed_windows(heldout_ids, seq_len, limit)
+        n = windows.shape[0]
+        _, hidden = frozen(windows)
+        truth = frozen.greedy(windows, g)[:, seq_len:]
+    finally:
+        frozen.close()
+    ctx = draft.context(hidden.reshape(n * seq_len, *hidden.shape[2:]))
+    ctx_kv = draft.context_kv(ctx, torch.arange(seq_len).repeat(n))
+    anchor = torch.full((n, 1), seq_len - 1)
+    rows = ring_rows(n, seq_len, anchor, draft.config.dspark_context_window)
+    out = draft.draft(windows[:, -1], anchor[:, 0], ctx_kv, rows, ctx.view(n, seq_len, -1)[:, -2])
+    match = (out.tokens == truth).long()
+    accepted = match.cumprod(dim=1).sum(1).float()
+    survived = torch.stack([(accepted > i).float().mean() for i in range(g)])
+    predicted = out.confidence.mean(0)
+    return dict(
+        samples=n,
+        mean_accepted=accepted.mean().item(),
+        mean_accepted_plus_bonus=accepted.mean().item() + 1.0,
+        accepted_histogram=torch.bincount(accepted.long(), minlength=g + 1).tolist(),
+        survival_observed=[round(v, 4) for v in survived.tolist()],
+        survival_predicted=[round(v, 4) for v in predicted.tolist()],
+        brier=((out.confidence - match.cumprod(dim=1).float()) ** 2).mean().item(),
+    )
+
+
+def save_draft(out: Path, draft: DSparkDraft, fields: dict) -> None:
+    """Add the ``mtp.*`` tensors to model.safetensors and the ``dspark_*`` fields to config.json."""
+    from safetensors.torch import load_file, save_file
+
+    weights = out / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(weights)).items() if not k.startswith("mtp.")}
+    tensors.update({name: t.detach().clone().contiguous() for name, t in draft.named_parameters().items()})
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(fields)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def build_draft(out: Path, fields: dict, seed: int) -> tuple[DeepseekV4Model, DSparkDraft]:
+    """The engine's target loaded from ``out`` (fp32, reference kernels) and a warm-started draft over it."""
+    from deepinfer.loader import read_config
+
+    target = DeepseekV4Model.from_pretrained(out, Kernels(), dtype=torch.float32)
+    raw = {**read_config(out), **fields}
+    draft = DSparkDraft(target, DSparkConfig.from_hf(raw, target.config))
+    init_draft(draft, target, torch.Generator().manual_seed(seed))
+    return target, draft
