@@ -34,20 +34,23 @@ class SamplingOps:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         lf = logits.float()
         greedy = temperature <= 0
+        if bool(greedy.all()):
+            return lf.argmax(-1)
         t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
         probs = torch.softmax(lf / t[:, None], dim=-1)
-        vocab = probs.shape[-1]
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
-        keep_sorted = ranks < k[:, None]
-        kept = sorted_p * keep_sorted
-        mass = kept / kept.sum(-1, keepdim=True)
-        before = mass.cumsum(-1) - mass  # mass of strictly more likely survivors
-        keep_sorted &= before < top_p.float()[:, None]
-        keep_sorted[:, 0] = True
-        keep_sorted &= sorted_p >= (min_p.float() * sorted_p[:, 0])[:, None]
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        keep = probs >= (min_p.float() * probs.amax(-1))[:, None]
+        if bool(((top_k > 0) | (top_p < 1)).any()):
+            # top-k and top-p need the tokens in order of probability
+            vocab = probs.shape[-1]
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=logits.device)[None, :]
+            k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+            keep_sorted = ranks < k[:, None]
+            kept = sorted_p * keep_sorted
+            mass = kept / kept.sum(-1, keepdim=True)
+            before = mass.cumsum(-1) - mass  # mass of strictly more likely survivors
+            keep_sorted &= before < top_p.float()[:, None]
+            keep_sorted[:, 0] = True
+            keep &= torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         race = torch.where(keep, probs / noise.float(), torch.full_like(probs, -1.0))
-        sampled = race.argmax(-1)
-        return torch.where(greedy, lf.argmax(-1), sampled)
+        return torch.where(greedy, lf.argmax(-1), race.argmax(-1))
