@@ -23,7 +23,7 @@ from deepinfer.sampling_params import SamplingParams
 
 
 def _llm(path, **kw) -> LLM:
-    return LLM(model=str(path), backend="cpu", kv_cache_memory=512 << 20, max_model_len=4096, **kw)
+    return LLM(model=str(path), backend="cpu", kv_cache_memory=512 << 20, max_model_len=1024, **kw)
 
 
 def _text_tokens(llm: LLM, n: int, seed: int) -> list[int]:
