@@ -15,6 +15,8 @@ class EngineStats:
     replayed_tokens: int = 0
     #: tokens run through the model (prefill chunks, replays and decodes)
     computed_tokens: int = 0
+    #: of those, tokens of prompts (or of outputs recomputed after preemption), replays included
+    prefill_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
     schedule_seconds: float = 0.0
@@ -38,7 +40,7 @@ class EngineStats:
         steps = max(self.steps, 1)
         tps = self.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
         return (
-            f"steps {self.steps}, computed tokens {self.computed_tokens}, generated {self.generated_tokens} "
+            f"steps {self.steps}, computed tokens {self.computed_tokens} (prefill {self.prefill_tokens}), generated {self.generated_tokens} "
             f"({tps:.1f} tok/s), prefix hit rate {self.prefix_hit_rate:.1%} ({self.cached_tokens} tokens), "
             f"replayed {self.replayed_tokens}, preemptions {self.preemptions}, "
             f"schedule {1e3 * self.schedule_seconds / steps:.2f} ms/step, forward {1e3 * self.forward_seconds / steps:.2f} ms/step, "
