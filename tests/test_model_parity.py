@@ -26,13 +26,7 @@ BF16_MEAN_ATOL = 0.02
 SEQ_LENS = (45, 13, 37)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny ops run fastest on one thread, and the machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
