@@ -9,7 +9,6 @@ from deepinfer.errors import ConfigError
 from deepinfer.model import CSA, HCA, SLIDING, ModelConfig
 from deepinfer.model.rope import Rotary
 
-pytest.importorskip("transformers")
 
 BASE = dict(
     model_type="deepseek_v4",

@@ -15,7 +15,6 @@ from deepinfer.model import Batch, ContiguousCache, DeepseekV4Model
 from deepinfer_interfaces import Kernels
 from tests.helpers.checkpoints import VARIANTS, build_hf_model, make_tiny_checkpoint
 
-pytest.importorskip("transformers")
 
 FP32_ATOL = 1e-4
 #: bf16 vs fp32 logits where both runs make the same discrete choices (measured <= 0.08)
