@@ -14,7 +14,6 @@ from deepinfer.model import Batch, ContiguousCache, DeepseekV4Model
 from deepinfer.model.dspark import DSparkDraft, DSparkRing
 from deepinfer_interfaces import Kernels
 
-pytest.importorskip("transformers")
 
 PROMPT = "def read_file(path):"
 #: the engine's greedy continuation of PROMPT, recorded once from the committed checkpoint:

@@ -4,10 +4,12 @@ The draft is the engine's own ``DSparkDraft`` on the reference ``Kernels`` (thei
 ops are plain differentiable PyTorch), so what is trained is exactly what the
 engine runs. The frozen transformers target supplies, per training window, the
 hidden states of the ``dspark_target_layer_ids`` layers (mean of each layer's
-output streams) and its next-token distributions. A quarter of the windows are
-training text, the rest are the target's own greedy continuations of training
-prompts, on which the target's argmax is the next token everywhere, as in the
-greedy verification the draft is measured against.
+output streams) and its next-token distributions. Half the windows are training
+text ending in a few of the target's greedy tokens (anchored on the real text,
+one at its last token, as in the held-out measurement), the rest the target's own
+long greedy continuations of training prompts. A block position is trained only
+where the target's argmax there is what its greedy continuation would produce,
+as in the greedy verification the draft is measured against.
 """
 
 from __future__ import annotations
@@ -128,7 +130,12 @@ def ring_rows(batch: int, seq_len: int, anchors: torch.Tensor, window: int) -> t
 
 def block_loss(draft: DSparkDraft, x: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the blocks anchored at ``anchors`` ``[B, A]``: the draft loss (cross-entropy on the target's argmax
-    plus half the KL to its distribution), the confidence head's loss, and the per-position hit rate."""
+    plus half the KL to its distribution), the confidence head's loss, and the per-position hit rate.
+
+    Block position ``i`` is trained only while the window's tokens after the anchor equal the target's argmax
+    at positions ``0..i−1``: only then is the target's argmax at position ``i`` the token its greedy
+    continuation would produce there (always so on greedy text; on real text, for a prefix of the block).
+    """
     b, s = x.shape
     g = draft.config.dspark_block_size
     ctx = draft.context(hidden.reshape(b * s, *hidden.shape[2:]))
@@ -140,28 +147,44 @@ def block_loss(draft: DSparkDraft, x: torch.Tensor, logits: torch.Tensor, hidden
     span = t[:, None] + torch.arange(g)  # positions whose next token each block position proposes
     teacher = logits[bi[:, None], span]  # [N, g, V]
     labels = teacher.argmax(-1)
+    agree = (x[bi[:, None], span + 1] == labels).float()
+    valid = torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1].cumprod(dim=1)], dim=1)
     prev = torch.cat([x[bi, t][:, None], labels[:, :-1]], dim=1)
     out = draft.logits(h, prev)
     logp = F.log_softmax(out, dim=-1)
-    kl = F.kl_div(logp, F.log_softmax(teacher, dim=-1), log_target=True, reduction="none").sum(-1).mean()
-    kl = 0.5 * kl + F.nll_loss(logp.reshape(-1, logp.shape[-1]), labels.reshape(-1))
+    kl = F.kl_div(logp, F.log_softmax(teacher, dim=-1), log_target=True, reduction="none").sum(-1)
+    ce = -logp.gather(-1, labels[..., None])[..., 0]
+    loss = ((0.5 * kl + ce) * valid).sum() / valid.sum()
     with torch.no_grad():
         probs = logp.exp()
         top_p, top = probs.max(-1)
         hit = (top == labels).float()
-    conf = F.binary_cross_entropy_with_logits(draft.accept_logit(h.detach(), top_p), hit)
-    return kl, conf, hit.mean(0)
+    bce = F.binary_cross_entropy_with_logits(draft.accept_logit(h.detach(), top_p), hit, reduction="none")
+    conf = (bce * valid).sum() / valid.sum()
+    return loss, conf, (hit * valid).sum(0) / valid.sum(0).clamp_min(1)
+
+
+def real_with_tails(frozen: "FrozenTarget", train_ids: torch.Tensor, n: int, seq_len: int, tail: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` windows of ``seq_len − tail`` training tokens, each followed by the target's ``tail`` greedy tokens."""
+    prompts = random_windows(train_ids, n, seq_len - tail, gen)
+    return frozen.greedy(prompts, tail)
 
 
 def train_dspark(target_hf, target: DeepseekV4Model, draft: DSparkDraft, train_ids: torch.Tensor, *, steps: int, batch: int,
-                 seq_len: int, anchors: int, lr: float, seed: int, generated: int, log_every: int = 20) -> list[dict]:
-    """Train the draft on real windows and on the target's greedy continuations; returns the log."""
+                 seq_len: int, anchors: int, lr: float, seed: int, generated: int, real: int, tail: int,
+                 log_every: int = 20) -> list[dict]:
+    """Train the draft on real windows ending in the target's greedy tokens and on its long greedy continuations.
+
+    Each step takes ``real`` training windows whose last ``tail`` tokens are the target's greedy continuation
+    of the rest (one anchor at the last real token, exactly the held-out measurement, the others anywhere on
+    the real text) and ``batch − real`` long greedy continuations (anchors from the last prompt token on).
+    """
     gen = torch.Generator().manual_seed(seed)
     frozen = FrozenTarget(target_hf, draft.config.dspark_target_layer_ids)
     g = draft.config.dspark_block_size
     start = time.monotonic()
     # greedy continuations of real prompts whose length varies by generation batch, so anchors range
-    # from the last real token (exactly the held-out measurement) deep into the target's own text
+    # from the last real token deep into the target's own text
     lengths = [max(seq_len * (2 + i % 6) // 16, 1) for i in range(0, generated, 32)]
     synthetic, prompt_lens = [], []
     for i, p_len in zip(range(0, generated, 32), lengths):
@@ -177,16 +200,18 @@ def train_dspark(target_hf, target: DeepseekV4Model, draft: DSparkDraft, train_i
         for step in range(steps):
             for grp in opt.param_groups:
                 grp["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-            n_real = max(batch // 4, 1)
-            real = random_windows(train_ids, n_real, seq_len, gen)
-            pick = torch.randint(0, synthetic.shape[0], (batch - n_real,), generator=gen)
-            x = torch.cat([real, synthetic[pick]])
+            reals = real_with_tails(frozen, train_ids, real, seq_len, tail, gen)
+            pick = torch.randint(0, synthetic.shape[0], (batch - real,), generator=gen)
+            x = torch.cat([reals, synthetic[pick]])
             logits, hidden = frozen(x)
-            # real windows: anchors anywhere with a context; synthetic: from the last prompt token on, that one always
-            low = torch.cat([torch.ones(n_real, dtype=torch.long), prompt_lens[pick] - 1])
+            # real windows: anchors anywhere on the real text, the first at its last token; synthetic: from the
+            # last prompt token on, that one always
+            low = torch.cat([torch.ones(real, dtype=torch.long), prompt_lens[pick] - 1])
+            high = torch.cat([torch.full((real,), seq_len - tail), torch.full((batch - real,), seq_len - g)])
             u = torch.rand(x.shape[0], anchors, generator=gen)
-            a = low[:, None] + (u * (seq_len - g - low)[:, None].float()).long()
-            a[n_real:, 0] = low[n_real:]
+            a = low[:, None] + (u * (high - low)[:, None].float()).long()
+            a[:real, 0] = seq_len - tail - 1
+            a[real:, 0] = low[real:]
             kl, conf, hit = block_loss(draft, x, logits, hidden, a)
             (kl + conf).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

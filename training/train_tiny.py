@@ -33,9 +33,9 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "deepinfer" / "models" / 
 #: (full run, smoke run) settings
 SETTINGS = {
     False: dict(shape=TINY, vocab=4096, seq_len=256, batch=8, steps=700, lr=3e-3, max_files=None, heldout_per_mille=50, eval_windows=None,
-                draft=dict(steps=900, batch=8, seq_len=128, anchors=16, lr=2e-3, generated=768, markov_rank=32, eval_windows=None)),
+                draft=dict(steps=700, batch=8, seq_len=128, anchors=40, lr=3e-3, generated=768, real=4, tail=8, markov_rank=32, eval_windows=None)),
     True: dict(shape=SMOKE, vocab=300, seq_len=32, batch=2, steps=3, lr=3e-3, max_files=25, heldout_per_mille=200, eval_windows=4,
-               draft=dict(steps=3, batch=2, seq_len=32, anchors=4, lr=1e-3, generated=4, markov_rank=8, eval_windows=4)),
+               draft=dict(steps=3, batch=2, seq_len=32, anchors=4, lr=1e-3, generated=4, real=1, tail=6, markov_rank=8, eval_windows=4)),
 }
 
 
@@ -109,7 +109,8 @@ def train_draft_phase(args, s: dict, tok, train_ids, heldout_ids) -> dict:
     target, draft = build_draft(args.out, fields, args.seed + 3)
     hf = DeepseekV4ForCausalLM.from_pretrained(str(args.out)).eval()
     log = train_dspark(hf, target, draft, train_ids, steps=d["steps"], batch=d["batch"], seq_len=d["seq_len"],
-                       anchors=d["anchors"], lr=d["lr"], seed=args.seed + 4, generated=d["generated"])
+                       anchors=d["anchors"], lr=d["lr"], seed=args.seed + 4, generated=d["generated"],
+                       real=d["real"], tail=d["tail"])
     acc = acceptance(hf, draft, heldout_ids, d["seq_len"], d["eval_windows"])
     print(f"DSpark acceptance over {acc['samples']} held-out prefixes: mean accepted {acc['mean_accepted']:.2f} of "
           f"{fields['dspark_block_size']} drafted (+1 bonus: {acc['mean_accepted_plus_bonus']:.2f}); histogram {acc['accepted_histogram']}", flush=True)
