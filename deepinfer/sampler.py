@@ -69,8 +69,12 @@ class Sampler:
         top_k = torch.tensor([x.top_k for x in p], dtype=torch.int64, device=dev)
         top_p = torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev)
         min_p = torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev)
-        noise = torch.ones(b, vocab, dtype=torch.float32, device=dev)
-        for i, r in enumerate(reqs):
-            if not r.params.greedy:
-                noise[i].exponential_(generator=self._generator(r))
+        if all(r.params.greedy for r in reqs):
+            # greedy rows ignore the noise: a broadcast view, no [B, V] allocation per step
+            noise = torch.ones((), dtype=torch.float32, device=dev).expand(b, vocab)
+        else:
+            noise = torch.ones(b, vocab, dtype=torch.float32, device=dev)
+            for i, r in enumerate(reqs):
+                if not r.params.greedy:
+                    noise[i].exponential_(generator=self._generator(r))
         return self.kernels.sample(logits, temperature, top_k, top_p, min_p, noise)

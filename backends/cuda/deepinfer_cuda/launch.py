@@ -72,3 +72,8 @@ def rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """``x`` as ``[N, width]`` rows with unit stride along the row (a copy only when needed)."""
     x2 = x.reshape(-1, width)
     return x2 if width <= 1 or x2.stride(-1) == 1 else x2.contiguous()
+
+
+def unit_inner(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride along its last dim (a copy only when it has another)."""
+    return t if t.stride(-1) == 1 else t.contiguous()

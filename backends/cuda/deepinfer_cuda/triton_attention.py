@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import autotune_configs, choose, next_power_of_2
+from .launch import autotune_configs, choose, next_power_of_2, unit_inner
 from .triton_common import dot_operands, splits_for
 
 #: log2(e): scores and sinks are kept in the log2 domain so the softmax uses exp2
@@ -147,13 +147,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
             f"sparse_attention: kv must be [N, {dim}], indices [{tokens}, K] and sinks [{heads}]; "
             f"got {tuple(kv.shape)}, {tuple(indices.shape)}, {tuple(sinks.shape)}"
         )
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if kv.stride(-1) != 1:
-        kv = kv.contiguous()
+    q = unit_inner(q)
+    kv = unit_inner(kv)
     indices = indices.to(torch.int64)
-    if indices.stride(-1) != 1:
-        indices = indices.contiguous()
+    indices = unit_inner(indices)
     sinks = sinks.contiguous()
     k = indices.shape[1]
     dot, prec = dot_operands(q.dtype)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import choose, num_warps_for
+from .launch import choose, num_warps_for, unit_inner
 
 
 @triton.jit
@@ -38,8 +38,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     if logits.stride(-1) != 1:
         raise ValueError("apply_token_bitmask: logits must have unit stride along the vocab (it is masked in place)")
     bitmask = bitmask.to(logits.device, non_blocking=True)
-    if bitmask.stride(-1) != 1:
-        bitmask = bitmask.contiguous()
+    bitmask = unit_inner(bitmask)
     batch, vocab = logits.shape
     block = choose(4096, 32)
     grid = (batch, triton.cdiv(vocab, block))

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import autotune_configs, next_power_of_2
+from .launch import autotune_configs, next_power_of_2, unit_inner
 from .triton_common import dot_operands
 
 
@@ -71,15 +71,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, i
             f"indexer_scores: weights must be [{tokens}, {heads}], keys [N, {dim}] and indices [{tokens}, K]; "
             f"got {tuple(weights.shape)}, {tuple(keys.shape)}, {tuple(indices.shape)}"
         )
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if keys.stride(-1) != 1:
-        keys = keys.contiguous()
-    if weights.stride(-1) != 1:
-        weights = weights.contiguous()
+    q = unit_inner(q)
+    keys = unit_inner(keys)
+    weights = unit_inner(weights)
     indices = indices.to(torch.int64)
-    if indices.stride(-1) != 1:
-        indices = indices.contiguous()
+    indices = unit_inner(indices)
     k = indices.shape[1]
     out = torch.empty(tokens, k, dtype=torch.float32, device=q.device)
     dot, prec = dot_operands(q.dtype)

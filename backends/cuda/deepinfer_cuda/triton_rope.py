@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import choose, next_power_of_2, num_warps_for
+from .launch import choose, next_power_of_2, num_warps_for, unit_inner
 
 #: values one program holds at once (heads x channels)
 _TILE = 4096
@@ -61,8 +61,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -
     if 2 * half > dim:
         raise ValueError(f"rope: rope width 2·{half} exceeds the head dim {dim}")
     x3 = x if x.dim() == 3 else x[:, None, :]
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
+    x3 = unit_inner(x3)
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     heads = x3.shape[1]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import autotune_configs, choose
+from .launch import autotune_configs, choose, unit_inner
 
 
 def _row_configs() -> list[triton.Config]:
@@ -144,10 +144,8 @@ def sample(
         if tuple(param.shape) != (batch,):
             raise ValueError(f"sample: {name} must have shape ({batch},) (one per row), got {tuple(param.shape)}")
     dev = logits.device
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    if noise.stride(-1) != 1:
-        noise = noise.contiguous()
+    logits = unit_inner(logits)
+    noise = unit_inner(noise)
     temperature = temperature.to(dev, torch.float32).contiguous()
     top_k = top_k.to(dev, torch.int64).contiguous()
     top_p = top_p.to(dev, torch.float32).contiguous()
