@@ -178,4 +178,8 @@ def test_training_smoke(tmp_path):
     ours = target(Batch.build([ids], [cache.allocate()], [0], logits="all"), cache).float()
     with torch.no_grad():
         assert (ours - hf(torch.tensor([ids])).logits[0]).abs().max().item() <= 1e-4
-    assert 0 <= report["acceptance"]["mean_accepted"] <= draft.config.dspark_block_size
+    acc = report["acceptance"]
+    assert acc["samples"] == 4 and sum(acc["accepted_histogram"]) == acc["draft_passes"] > 0
+    assert sum(acc["first_pass_histogram"]) <= acc["samples"]
+    assert 0 <= acc["mean_accepted"] <= draft.config.dspark_block_size
+    assert all(0 <= p <= 1 for p in acc["survival_predicted"])

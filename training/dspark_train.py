@@ -6,9 +6,9 @@ engine runs. The frozen transformers target supplies, per training window, the
 hidden states of the ``dspark_target_layer_ids`` layers (mean of each layer's
 output streams) and its next-token distributions. Half the windows are training
 text ending in a few of the target's greedy tokens (anchored on the real text,
-one at its last token, as in the held-out measurement), the rest the target's own
-long greedy continuations of training prompts. A block position is trained only
-where the target's argmax there is what its greedy continuation would produce,
+and one at the first greedy token: the engine's first draft after a prefill),
+the rest the target's own long greedy continuations of training prompts. A block
+position is trained only where the target's argmax there is what its greedy continuation would produce,
 as in the greedy verification the draft is measured against.
 """
 
@@ -176,8 +176,8 @@ def train_dspark(target_hf, target: DeepseekV4Model, draft: DSparkDraft, train_i
     """Train the draft on real windows ending in the target's greedy tokens and on its long greedy continuations.
 
     Each step takes ``real`` training windows whose last ``tail`` tokens are the target's greedy continuation
-    of the rest (one anchor at the last real token, exactly the held-out measurement, the others anywhere on
-    the real text) and ``batch − real`` long greedy continuations (anchors from the last prompt token on).
+    of the rest (one anchor at the first greedy token, where the engine drafts after a prefill, the others
+    anywhere on the real text) and ``batch − real`` long greedy continuations (anchors from the last prompt token on).
     """
     gen = torch.Generator().manual_seed(seed)
     frozen = FrozenTarget(target_hf, draft.config.dspark_target_layer_ids)
@@ -210,7 +210,7 @@ def train_dspark(target_hf, target: DeepseekV4Model, draft: DSparkDraft, train_i
             high = torch.cat([torch.full((real,), seq_len - tail), torch.full((batch - real,), seq_len - g)])
             u = torch.rand(x.shape[0], anchors, generator=gen)
             a = low[:, None] + (u * (high - low)[:, None].float()).long()
-            a[:real, 0] = seq_len - tail - 1
+            a[:real, 0] = seq_len - tail
             a[real:, 0] = low[real:]
             kl, conf, hit = block_loss(draft, x, logits, hidden, a)
             (kl + conf).backward()
@@ -232,41 +232,106 @@ def train_dspark(target_hf, target: DeepseekV4Model, draft: DSparkDraft, train_i
 
 
 @torch.no_grad()
-def acceptance(target_hf, draft: DSparkDraft, heldout_ids: torch.Tensor, seq_len: int, limit: int | None = None) -> dict:
-    """Offline acceptance on held-out text at temperature 0.
+def drafts_at(draft: DSparkDraft, seqs: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor, chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's pass at every anchor position ``[A]`` of every committed sequence ``[N, L]`` (target-layer
+    hidden states ``[N, L, layers, D]``): ``[N, A]`` accepted lengths against the sequence's next tokens and
+    ``[N, A, γ]`` predicted survival. The anchor's own hidden state is not used: the engine drafts from a
+    token the target has sampled but not yet run."""
+    n, length = seqs.shape
+    g = draft.config.dspark_block_size
+    accepted = torch.zeros(n, anchors.numel(), dtype=torch.long)
+    confidence = torch.zeros(n, anchors.numel(), g)
+    for i in range(0, n, chunk):
+        x = seqs[i : i + chunk]
+        b = x.shape[0]
+        ctx = draft.context(hidden[i : i + chunk].reshape(b * length, *hidden.shape[2:]))
+        ctx_kv = draft.context_kv(ctx, torch.arange(length).repeat(b))
+        an = anchors[None].expand(b, -1)
+        rows = ring_rows(b, length, an, draft.config.dspark_context_window)
+        bi = torch.arange(b)[:, None].expand_as(an).reshape(-1)
+        t = an.reshape(-1)
+        out = draft.draft(x[bi, t], t, ctx_kv, rows, ctx[bi * length + t - 1])
+        truth = x[bi[:, None], t[:, None] + 1 + torch.arange(g)]
+        accepted[i : i + b] = (out.tokens == truth).long().cumprod(dim=1).sum(1).view(b, -1)
+        confidence[i : i + b] = out.confidence.float().view(b, -1, g)
+    return accepted, confidence
 
-    Each held-out window of ``seq_len`` tokens is a prefix; the target continues it
-    greedily for ``γ`` tokens and the draft proposes ``γ`` tokens from the prefix's
-    last token. The accepted length is the number of leading drafted tokens equal
-    to the target's. Calibration compares each position's mean predicted survival
-    probability with the share of drafts that got past it.
+
+def decoding_passes(accepted: torch.Tensor, continuation: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The passes greedy speculative decoding makes through the target's continuations ``[N, G]`` of N prompts.
+
+    ``accepted`` ``[N, A]`` is the accepted length of a pass anchored on each of the first ``A`` continuation
+    tokens. The first pass anchors on token 0 (sampled by the prefill), each next one on the token verification
+    adds after the accepted ones; generation ends at the first ``eos_id``, and drafted tokens past it do not
+    count. Returns each pass's row, anchor index and accepted length.
+    """
+    n, g = continuation.shape
+    is_eos = continuation == eos_id
+    ends = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((n,), g))
+    rows, cols, lengths = [], [], []
+    for row in range(n):
+        end, a = int(ends[row]), 0
+        while a < min(end, accepted.shape[1]):
+            k = min(int(accepted[row, a]), end - a)
+            rows.append(row)
+            cols.append(a)
+            lengths.append(k)
+            a += k + 1
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
+
+
+@torch.no_grad()
+def acceptance(target_hf, draft: DSparkDraft, heldout_ids: torch.Tensor, seq_len: int, eos_id: int,
+               limit: int | None = None, generate: int = 64) -> dict:
+    """Offline acceptance at temperature 0, pass by pass as greedy speculative decoding meets it.
+
+    Each held-out window of ``seq_len`` tokens is a prompt that the target continues greedily for
+    ``generate`` tokens. Greedy verification commits exactly that continuation whatever is drafted, so
+    one target pass over prompt and continuation gives the context of every draft. The passes are
+    chained as in decoding: the first anchors on the token sampled by the prefill, each next one on the
+    token verification adds after the accepted ones, until the continuation reaches ``eos_id`` (tokens
+    drafted past it do not count) or fewer than ``γ`` of its tokens remain. The accepted length of a pass
+    is the number of leading drafted tokens equal to the target's; calibration compares, per position, the
+    mean predicted survival with the share of passes that got past it. ``first_pass_*`` covers the first
+    pass after each prompt alone.
     """
     g = draft.config.dspark_block_size
     frozen = FrozenTarget(target_hf, draft.config.dspark_target_layer_ids)
     try:
-        windows = fixed_windows(heldout_ids, seq_len, limit)
-        n = windows.shape[0]
-        _, hidden = frozen(windows)
-        truth = frozen.greedy(windows, g)[:, seq_len:]
+        prompts = fixed_windows(heldout_ids, seq_len, limit)
+        seqs = frozen.greedy(prompts, generate)
+        _, hidden = frozen(seqs)
     finally:
         frozen.close()
-    ctx = draft.context(hidden.reshape(n * seq_len, *hidden.shape[2:]))
-    ctx_kv = draft.context_kv(ctx, torch.arange(seq_len).repeat(n))
-    anchor = torch.full((n, 1), seq_len - 1)
-    rows = ring_rows(n, seq_len, anchor, draft.config.dspark_context_window)
-    out = draft.draft(windows[:, -1], anchor[:, 0], ctx_kv, rows, ctx.view(n, seq_len, -1)[:, -2])
-    match = (out.tokens == truth).long()
-    accepted = match.cumprod(dim=1).sum(1).float()
-    survived = torch.stack([(accepted > i).float().mean() for i in range(g)])
-    predicted = out.confidence.mean(0)
+    n, length = seqs.shape
+    accepted, confidence = drafts_at(draft, seqs, hidden, torch.arange(seq_len, length - g))
+    rows, cols, passes = decoding_passes(accepted, seqs[:, seq_len:], eos_id)
+    predicted = confidence[rows, cols]
+    survived = torch.stack([(passes > i).float() for i in range(g)], dim=1)
+    first = passes[cols == 0]
     return dict(
         samples=n,
-        mean_accepted=accepted.mean().item(),
-        mean_accepted_plus_bonus=accepted.mean().item() + 1.0,
-        accepted_histogram=torch.bincount(accepted.long(), minlength=g + 1).tolist(),
-        survival_observed=[round(v, 4) for v in survived.tolist()],
-        survival_predicted=[round(v, 4) for v in predicted.tolist()],
-        brier=((out.confidence - match.cumprod(dim=1).float()) ** 2).mean().item(),
+        generated_per_prompt=generate,
+        draft_passes=passes.numel(),
+        mean_accepted=passes.float().mean().item(),
+        mean_accepted_plus_bonus=passes.float().mean().item() + 1.0,
+        accepted_histogram=torch.bincount(passes, minlength=g + 1).tolist(),
+        survival_observed=[round(v, 4) for v in survived.mean(0).tolist()],
+        survival_predicted=[round(v, 4) for v in predicted.mean(0).tolist()],
+        brier=((predicted - survived) ** 2).mean().item(),
+        first_pass_mean_accepted=first.float().mean().item(),
+        first_pass_histogram=torch.bincount(first, minlength=g + 1).tolist(),
+    )
+
+
+def describe_acceptance(acc: dict, block_size: int) -> str:
+    """The measured acceptance as the lines the training and evaluation scripts print."""
+    return (
+        f"DSpark acceptance, greedy speculative decoding of {acc['generated_per_prompt']} tokens after each of "
+        f"{acc['samples']} held-out prompts ({acc['draft_passes']} draft passes): mean accepted {acc['mean_accepted']:.2f} "
+        f"of {block_size} drafted (+1 bonus: {acc['mean_accepted_plus_bonus']:.2f}); histogram {acc['accepted_histogram']}\n"
+        f"first pass after the prompt: mean accepted {acc['first_pass_mean_accepted']:.2f}; histogram {acc['first_pass_histogram']}\n"
+        f"survival per position: observed {acc['survival_observed']}, predicted {acc['survival_predicted']}, Brier {acc['brier']:.4f}"
     )
 
 

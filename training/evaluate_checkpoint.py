@@ -51,14 +51,13 @@ def main(argv: list[str] | None = None) -> dict:
         from deepinfer.model.dspark import DSparkDraft
         from deepinfer_interfaces import Kernels
 
-        from .dspark_train import acceptance
+        from .dspark_train import acceptance, describe_acceptance
 
         target = DeepseekV4Model.from_pretrained(args.model, Kernels(), dtype=torch.float32)
         draft = DSparkDraft.from_target(target, raw)
-        acc = acceptance(hf, draft, heldout_ids, s["draft"]["seq_len"])
+        acc = acceptance(hf, draft, heldout_ids, s["draft"]["seq_len"], eos, generate=s["draft"]["eval_generate"])
         report["acceptance"] = acc
-        print(f"DSpark: mean accepted {acc['mean_accepted']:.2f} of {raw['dspark_block_size']} over {acc['samples']} held-out prefixes; "
-              f"histogram {acc['accepted_histogram']}; survival observed {acc['survival_observed']} predicted {acc['survival_predicted']}")
+        print(describe_acceptance(acc, raw["dspark_block_size"]))
     if args.report is not None:
         args.report.write_text(json.dumps(report, indent=1))
     return report

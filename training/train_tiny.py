@@ -33,9 +33,9 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "deepinfer" / "models" / 
 #: (full run, smoke run) settings
 SETTINGS = {
     False: dict(shape=TINY, vocab=4096, seq_len=256, batch=8, steps=700, lr=3e-3, max_files=None, heldout_per_mille=50, eval_windows=None,
-                draft=dict(steps=700, batch=8, seq_len=128, anchors=40, lr=3e-3, generated=768, real=4, tail=8, markov_rank=32, eval_windows=None)),
+                draft=dict(steps=1600, batch=8, seq_len=128, anchors=40, lr=3e-3, generated=1536, real=4, tail=8, markov_rank=32, context_window=128, eval_windows=None, eval_generate=64)),
     True: dict(shape=SMOKE, vocab=300, seq_len=32, batch=2, steps=3, lr=3e-3, max_files=25, heldout_per_mille=200, eval_windows=4,
-               draft=dict(steps=3, batch=2, seq_len=32, anchors=4, lr=1e-3, generated=4, real=1, tail=6, markov_rank=8, eval_windows=4)),
+               draft=dict(steps=3, batch=2, seq_len=32, anchors=4, lr=1e-3, generated=4, real=1, tail=6, markov_rank=8, context_window=16, eval_windows=4, eval_generate=16)),
 }
 
 
@@ -101,20 +101,18 @@ def train_draft_phase(args, s: dict, tok, train_ids, heldout_ids) -> dict:
     """Phase 2: train the DSpark draft against the saved target, measure acceptance, add it to the checkpoint."""
     from transformers import DeepseekV4ForCausalLM
 
-    from .dspark_train import acceptance, build_draft, dspark_fields, save_draft, train_dspark
+    from .dspark_train import acceptance, build_draft, describe_acceptance, dspark_fields, save_draft, train_dspark
 
     d = s["draft"]
     shape = s["shape"]
-    fields = dspark_fields(shape["num_hidden_layers"], tok.token_to_id(NOISE_TOKEN), shape["sliding_window"], d["markov_rank"])
+    fields = dspark_fields(shape["num_hidden_layers"], tok.token_to_id(NOISE_TOKEN), d["context_window"], d["markov_rank"])
     target, draft = build_draft(args.out, fields, args.seed + 3)
     hf = DeepseekV4ForCausalLM.from_pretrained(str(args.out)).eval()
     log = train_dspark(hf, target, draft, train_ids, steps=d["steps"], batch=d["batch"], seq_len=d["seq_len"],
                        anchors=d["anchors"], lr=d["lr"], seed=args.seed + 4, generated=d["generated"],
                        real=d["real"], tail=d["tail"])
-    acc = acceptance(hf, draft, heldout_ids, d["seq_len"], d["eval_windows"])
-    print(f"DSpark acceptance over {acc['samples']} held-out prefixes: mean accepted {acc['mean_accepted']:.2f} of "
-          f"{fields['dspark_block_size']} drafted (+1 bonus: {acc['mean_accepted_plus_bonus']:.2f}); histogram {acc['accepted_histogram']}", flush=True)
-    print(f"survival per position: observed {acc['survival_observed']}, predicted {acc['survival_predicted']}, Brier {acc['brier']:.4f}", flush=True)
+    acc = acceptance(hf, draft, heldout_ids, d["seq_len"], tok.token_to_id(EOS_TOKEN), d["eval_windows"], d["eval_generate"])
+    print(describe_acceptance(acc, fields["dspark_block_size"]), flush=True)
     save_draft(args.out, draft, fields)
     return dict(draft_log=log, dspark=fields, acceptance=acc)
 
