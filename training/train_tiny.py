@@ -1,11 +1,11 @@
 """Train the bundled tiny DeepSeek-V4 checkpoint from the standard library's docstrings.
 
 Offline and deterministic: the corpus is read from this interpreter's stdlib
-sources, seeds are fixed, one thread computes, and torch runs in deterministic
-mode. The result is written with ``save_pretrained`` (upstream tensor names)
-beside a byte-level BPE tokenizer.
+sources, seeds are fixed, each phase has a fixed thread count (the target one,
+the draft two), and torch runs in deterministic mode. The result is written
+with ``save_pretrained`` (upstream tensor names) beside a byte-level BPE tokenizer.
 
-    python -m training.train_tiny                 # target, then DSpark draft: about 20 minutes on one core
+    python -m training.train_tiny                 # target, then DSpark draft: about 30 minutes on 2 cores
     python -m training.train_tiny --dspark-only   # only phase 2, on the target already in --out
     python -m training.train_tiny --smoke --out /tmp/micro   # a micro model in seconds
 """
@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="train a micro model for a few steps (seconds)")
     p.add_argument("--steps", type=int, default=None, help="target training steps (default: 700, smoke: 3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch compute threads (1 or 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch compute threads of phase 1 (the target)")
+    p.add_argument("--draft-threads", type=int, default=2, help="torch compute threads of phase 2 (the DSpark draft)")
     p.add_argument("--report", type=Path, default=None, help="also write the measured figures as JSON here")
     p.add_argument("--dspark-only", action="store_true", help="skip phase 1: train the draft of the target already in --out")
     p.add_argument("--no-dspark", action="store_true", help="skip phase 2 (the DSpark draft)")
@@ -105,6 +106,7 @@ def train_draft_phase(args, s: dict, tok, train_ids, heldout_ids) -> dict:
 
     d = s["draft"]
     shape = s["shape"]
+    torch.set_num_threads(args.draft_threads)
     fields = dspark_fields(shape["num_hidden_layers"], tok.token_to_id(NOISE_TOKEN), d["context_window"], d["markov_rank"])
     target, draft = build_draft(args.out, fields, args.seed + 3)
     hf = DeepseekV4ForCausalLM.from_pretrained(str(args.out)).eval()
