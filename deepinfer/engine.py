@@ -215,7 +215,8 @@ class Engine:
                 # first chunk after a prefix hit
                 self.stats.cached_tokens += req.num_cached_tokens
                 self.stats.replayed_tokens += req.num_cached_tokens - req.state_floor
-            if c.start + 1 < req.num_known_tokens or not c.samples or c.num_tokens > 1:
+            decode = c.samples and c.num_tokens == 1 and c.start + 1 >= req.num_known_tokens
+            if not decode:
                 self.stats.prefill_tokens += c.num_tokens
             req.num_computed_tokens += c.num_tokens
             if c.samples:

@@ -95,12 +95,10 @@ def test_logits_match_transformers(target, tokenizer):
 
 def test_heldout_perplexity_far_below_unigram(target, tokenizer):
     from training.corpus import build_corpus
-    from training.data import fixed_windows, token_stream
+    from training.data import corpus_streams, fixed_windows
 
-    corpus = build_corpus()
-    bos, eos = target.config.bos_token_id, target.config.eos_token_id
-    train = token_stream(tokenizer, corpus.train, bos, eos)
-    windows = fixed_windows(token_stream(tokenizer, corpus.heldout, bos, eos), 128, limit=4)
+    train, heldout = corpus_streams(tokenizer, build_corpus())
+    windows = fixed_windows(heldout, 128, limit=4)
     cache = ContiguousCache(target.config, len(windows), 128, dtype=torch.float32)
     seqs = windows.tolist()
     logits = target(Batch.build(seqs, [cache.allocate() for _ in seqs], [0] * len(seqs), logits="all"), cache).float()

@@ -3,8 +3,6 @@ draft's measured acceptance and calibration on held-out text."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -40,23 +38,16 @@ def test_bundled_draft_accepts_half_its_block_and_is_calibrated():
     from transformers import DeepseekV4ForCausalLM
 
     from deepinfer.engine import BUNDLED_MODEL
-    from deepinfer.model import DeepseekV4Model
-    from deepinfer.model.dspark import DSparkDraft
-    from deepinfer_interfaces import Kernels
     from training.corpus import build_corpus
-    from training.data import token_stream
-    from training.dspark_train import acceptance
-    from training.tokenizer import BOS_TOKEN, EOS_TOKEN
+    from training.data import corpus_streams
+    from training.evaluate_checkpoint import draft_acceptance
+    from training.tokenizer import EOS_TOKEN
     from training.train_tiny import SETTINGS
 
-    s = SETTINGS[False]
     tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
-    eos = tok.token_to_id(EOS_TOKEN)
-    heldout = token_stream(tok, build_corpus(heldout_per_mille=s["heldout_per_mille"]).heldout, tok.token_to_id(BOS_TOKEN), eos)
-    raw = json.loads((BUNDLED_MODEL / "config.json").read_text())
-    draft = DSparkDraft.from_target(DeepseekV4Model.from_pretrained(BUNDLED_MODEL, Kernels(), dtype=torch.float32), raw)
+    _, heldout = corpus_streams(tok, build_corpus(heldout_per_mille=SETTINGS[False]["heldout_per_mille"]))
     hf = DeepseekV4ForCausalLM.from_pretrained(str(BUNDLED_MODEL)).eval()
-    acc = acceptance(hf, draft, heldout, s["draft"]["seq_len"], eos, generate=s["draft"]["eval_generate"])
+    acc = draft_acceptance(BUNDLED_MODEL, hf, heldout, tok.token_to_id(EOS_TOKEN))
     assert acc["samples"] > 200 and acc["draft_passes"] > 2000
     assert sum(acc["accepted_histogram"]) == acc["draft_passes"]
     assert acc["mean_accepted"] >= 2.5, acc

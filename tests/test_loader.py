@@ -97,18 +97,10 @@ def test_read_config_errors(tmp_path):
 
 
 def test_load_tokenizer_trained_bpe(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from training.tokenizer import train_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|begin▁of▁sentence|>", "<|end▁of▁sentence|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
     corpus = ["the quick brown fox jumps over the lazy dog", "deep seek infers tokens quickly", "héllo wörld ✓"] * 20
-    tok.train_from_iterator(corpus, trainer)
+    tok = train_tokenizer(corpus, 300, ["<|begin▁of▁sentence|>", "<|end▁of▁sentence|>"])
     tok.save(str(tmp_path / "tokenizer.json"))
 
     loaded = load_tokenizer(tmp_path)

@@ -23,6 +23,7 @@ from deepinfer.grammar.vocab import BYTE_FALLBACK, BYTE_LEVEL, byte_level_alphab
 from deepinfer.sampling_params import InvalidRequestError, StructuredOutputsParams
 from deepinfer.structured_output import GrammarCompilerCache, RequestGrammar, allocate_bitmask, fill_batch_bitmask
 from deepinfer_interfaces.kernels import Kernels, unpack_bitmask
+from training.tokenizer import train_tokenizer
 
 KERNELS = Kernels()
 SPECIALS = ["<eos>", "<pad>", "<|user|>"]
@@ -52,27 +53,13 @@ def _corpus(n: int = 2000) -> list[str]:
     return [json.dumps({rng.choice(_KEYS): value(0) for _ in range(rng.randint(1, 4))}) for _ in range(n)]
 
 
-def _byte_level_bpe(corpus: list[str], specials: list[str], vocab_size: int = 30000) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    return tok
-
-
 def _tiny_tokenizer(specials: list[str]) -> Tokenizer:
-    return _byte_level_bpe(["ab cd ef"] * 5, specials)
+    return train_tokenizer(["ab cd ef"] * 5, 30000, specials)
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return _byte_level_bpe(_corpus(), SPECIALS, vocab_size=800)
+    return train_tokenizer(_corpus(), 800, SPECIALS)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .tokenizer import BOS_TOKEN, EOS_TOKEN
+
 
 def token_stream(tok, records: list[str], bos_id: int, eos_id: int) -> torch.Tensor:
     """All records encoded and joined as ``BOS record EOS`` into one int64 stream."""
@@ -13,6 +15,12 @@ def token_stream(tok, records: list[str], bos_id: int, eos_id: int) -> torch.Ten
         ids.extend(enc.ids)
         ids.append(eos_id)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def corpus_streams(tok, corpus) -> tuple[torch.Tensor, torch.Tensor]:
+    """The corpus's training and held-out records as the two token streams the model trains and is measured on."""
+    bos, eos = tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)
+    return token_stream(tok, corpus.train, bos, eos), token_stream(tok, corpus.heldout, bos, eos)
 
 
 def random_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:

@@ -128,6 +128,20 @@ def ring_rows(batch: int, seq_len: int, anchors: torch.Tensor, window: int) -> t
     return torch.where(pos >= 0, rows, torch.full_like(rows, -1)).reshape(-1, window)
 
 
+def anchored_blocks(draft: DSparkDraft, x: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """The draft's inputs for the blocks anchored at ``anchors`` ``[B, A]`` of windows ``x`` ``[B, S]`` (their
+    target-layer hidden states ``[B, S, layers, D]``): the arguments of ``DSparkDraft.hidden`` / ``draft``, and
+    each block's window index and anchor position ``[B·A]``. The anchor's own hidden state is not context: the
+    engine drafts from a token the target has sampled but not yet run."""
+    b, s = x.shape
+    ctx = draft.context(hidden.reshape(b * s, *hidden.shape[2:]))
+    ctx_kv = draft.context_kv(ctx, torch.arange(s).repeat(b))
+    rows = ring_rows(b, s, anchors, draft.config.dspark_context_window)
+    bi = torch.arange(b)[:, None].expand_as(anchors).reshape(-1)
+    t = anchors.reshape(-1)
+    return (x[bi, t], t, ctx_kv, rows, ctx[bi * s + t - 1]), bi, t
+
+
 def block_loss(draft: DSparkDraft, x: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the blocks anchored at ``anchors`` ``[B, A]``: the draft loss (cross-entropy on the target's argmax
     plus half the KL to its distribution), the confidence head's loss, and the per-position hit rate.
@@ -136,14 +150,9 @@ def block_loss(draft: DSparkDraft, x: torch.Tensor, logits: torch.Tensor, hidden
     at positions ``0..i−1``: only then is the target's argmax at position ``i`` the token its greedy
     continuation would produce there (always so on greedy text; on real text, for a prefix of the block).
     """
-    b, s = x.shape
     g = draft.config.dspark_block_size
-    ctx = draft.context(hidden.reshape(b * s, *hidden.shape[2:]))
-    ctx_kv = draft.context_kv(ctx, torch.arange(s).repeat(b))
-    rows = ring_rows(b, s, anchors, draft.config.dspark_context_window)
-    bi = torch.arange(b)[:, None].expand_as(anchors).reshape(-1)
-    t = anchors.reshape(-1)
-    h = draft.hidden(x[bi, t], t, ctx_kv, rows, ctx[bi * s + t - 1])  # [N, g, D]
+    inputs, bi, t = anchored_blocks(draft, x, hidden, anchors)
+    h = draft.hidden(*inputs)  # [N, g, D]
     span = t[:, None] + torch.arange(g)  # positions whose next token each block position proposes
     teacher = logits[bi[:, None], span]  # [N, g, V]
     labels = teacher.argmax(-1)
@@ -235,22 +244,16 @@ def train_dspark(target_hf, target: DeepseekV4Model, draft: DSparkDraft, train_i
 def drafts_at(draft: DSparkDraft, seqs: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor, chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft's pass at every anchor position ``[A]`` of every committed sequence ``[N, L]`` (target-layer
     hidden states ``[N, L, layers, D]``): ``[N, A]`` accepted lengths against the sequence's next tokens and
-    ``[N, A, γ]`` predicted survival. The anchor's own hidden state is not used: the engine drafts from a
-    token the target has sampled but not yet run."""
-    n, length = seqs.shape
+    ``[N, A, γ]`` predicted survival."""
+    n = seqs.shape[0]
     g = draft.config.dspark_block_size
     accepted = torch.zeros(n, anchors.numel(), dtype=torch.long)
     confidence = torch.zeros(n, anchors.numel(), g)
     for i in range(0, n, chunk):
         x = seqs[i : i + chunk]
         b = x.shape[0]
-        ctx = draft.context(hidden[i : i + chunk].reshape(b * length, *hidden.shape[2:]))
-        ctx_kv = draft.context_kv(ctx, torch.arange(length).repeat(b))
-        an = anchors[None].expand(b, -1)
-        rows = ring_rows(b, length, an, draft.config.dspark_context_window)
-        bi = torch.arange(b)[:, None].expand_as(an).reshape(-1)
-        t = an.reshape(-1)
-        out = draft.draft(x[bi, t], t, ctx_kv, rows, ctx[bi * length + t - 1])
+        inputs, bi, t = anchored_blocks(draft, x, hidden[i : i + chunk], anchors[None].expand(b, -1))
+        out = draft.draft(*inputs)
         truth = x[bi[:, None], t[:, None] + 1 + torch.arange(g)]
         accepted[i : i + b] = (out.tokens == truth).long().cumprod(dim=1).sum(1).view(b, -1)
         confidence[i : i + b] = out.confidence.float().view(b, -1, g)
@@ -324,8 +327,9 @@ def acceptance(target_hf, draft: DSparkDraft, heldout_ids: torch.Tensor, seq_len
     )
 
 
-def describe_acceptance(acc: dict, block_size: int) -> str:
+def describe_acceptance(acc: dict) -> str:
     """The measured acceptance as the lines the training and evaluation scripts print."""
+    block_size = len(acc["accepted_histogram"]) - 1
     return (
         f"DSpark acceptance, greedy speculative decoding of {acc['generated_per_prompt']} tokens after each of "
         f"{acc['samples']} held-out prompts ({acc['draft_passes']} draft passes): mean accepted {acc['mean_accepted']:.2f} "

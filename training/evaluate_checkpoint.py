@@ -13,10 +13,27 @@ from pathlib import Path
 import torch
 
 from .corpus import build_corpus
-from .data import token_stream
+from .data import corpus_streams
 from .target import greedy_continue, heldout_metrics
-from .tokenizer import BOS_TOKEN, EOS_TOKEN
+from .tokenizer import EOS_TOKEN
 from .train_tiny import DEFAULT_OUT, SETTINGS, sample_prompts, set_determinism
+
+
+def draft_acceptance(model_dir: Path, hf, heldout_ids: torch.Tensor, eos_id: int) -> dict | None:
+    """The checkpoint's DSpark acceptance on held-out text with the training script's settings (None without a draft)."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    if "dspark_block_size" not in raw:
+        return None
+    from deepinfer.model import DeepseekV4Model
+    from deepinfer.model.dspark import DSparkDraft
+    from deepinfer_interfaces import Kernels
+
+    from .dspark_train import acceptance
+
+    target = DeepseekV4Model.from_pretrained(model_dir, Kernels(), dtype=torch.float32)
+    draft = DSparkDraft.from_target(target, raw)
+    d = SETTINGS[False]["draft"]
+    return acceptance(hf, draft, heldout_ids, d["seq_len"], eos_id, generate=d["eval_generate"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -30,10 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     s = SETTINGS[False]
     tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
-    bos, eos = tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)
+    eos = tok.token_to_id(EOS_TOKEN)
     corpus = build_corpus(heldout_per_mille=s["heldout_per_mille"])
-    train_ids = token_stream(tok, corpus.train, bos, eos)
-    heldout_ids = token_stream(tok, corpus.heldout, bos, eos)
+    train_ids, heldout_ids = corpus_streams(tok, corpus)
     hf = DeepseekV4ForCausalLM.from_pretrained(str(args.model)).eval()
     report = heldout_metrics(hf, heldout_ids, train_ids, s["seq_len"])
     print(f"held-out perplexity {report['perplexity']:.2f} vs unigram {report['unigram_perplexity']:.2f} over {report['heldout_tokens']} tokens")
@@ -45,19 +61,12 @@ def main(argv: list[str] | None = None) -> dict:
         out = greedy_continue(hf, tok.encode(prompt).ids, 40, eos)
         report["samples"].append(dict(prompt=prompt, token_ids=out, text=tok.decode(out, skip_special_tokens=False)))
         print(f"--- {prompt!r}\n{report['samples'][-1]['text']!r}")
-    raw = json.loads((args.model / "config.json").read_text())
-    if "dspark_block_size" in raw:
-        from deepinfer.model import DeepseekV4Model
-        from deepinfer.model.dspark import DSparkDraft
-        from deepinfer_interfaces import Kernels
+    acc = draft_acceptance(args.model, hf, heldout_ids, eos)
+    if acc is not None:
+        from .dspark_train import describe_acceptance
 
-        from .dspark_train import acceptance, describe_acceptance
-
-        target = DeepseekV4Model.from_pretrained(args.model, Kernels(), dtype=torch.float32)
-        draft = DSparkDraft.from_target(target, raw)
-        acc = acceptance(hf, draft, heldout_ids, s["draft"]["seq_len"], eos, generate=s["draft"]["eval_generate"])
         report["acceptance"] = acc
-        print(describe_acceptance(acc, raw["dspark_block_size"]))
+        print(describe_acceptance(acc))
     if args.report is not None:
         args.report.write_text(json.dumps(report, indent=1))
     return report

@@ -12,8 +12,8 @@ NOISE_TOKEN = "<|noise|>"
 SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, NOISE_TOKEN]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """Train byte-level BPE on ``texts``; specials take ids 0, 1, 2 (BOS, EOS, noise)."""
+def train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS):
+    """Train byte-level BPE on ``texts``; the specials take the first ids (by default 0, 1, 2: BOS, EOS, noise)."""
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -22,7 +22,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .corpus import build_corpus
-from .data import token_stream
+from .data import corpus_streams
 from .model_config import SMOKE, TINY, hf_config
 from .routing import seed_hash_tables
 from .target import greedy_continue, heldout_metrics, train_target
@@ -114,7 +114,7 @@ def train_draft_phase(args, s: dict, tok, train_ids, heldout_ids) -> dict:
                        anchors=d["anchors"], lr=d["lr"], seed=args.seed + 4, generated=d["generated"],
                        real=d["real"], tail=d["tail"])
     acc = acceptance(hf, draft, heldout_ids, d["seq_len"], tok.token_to_id(EOS_TOKEN), d["eval_windows"], d["eval_generate"])
-    print(describe_acceptance(acc, fields["dspark_block_size"]), flush=True)
+    print(describe_acceptance(acc), flush=True)
     save_draft(args.out, draft, fields)
     return dict(draft_log=log, dspark=fields, acceptance=acc)
 
@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         tok = Tokenizer.from_file(str(args.out / "tokenizer.json"))
     else:
         tok = train_tokenizer(corpus.train, s["vocab"])
-    bos, eos = tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)
-    train_ids = token_stream(tok, corpus.train, bos, eos)
-    heldout_ids = token_stream(tok, corpus.heldout, bos, eos)
+    train_ids, heldout_ids = corpus_streams(tok, corpus)
     print(f"corpus: {len(corpus.train)} train / {len(corpus.heldout)} held-out records, "
           f"{train_ids.numel()} / {heldout_ids.numel()} tokens, vocab {tok.get_vocab_size()}", flush=True)
     report: dict = dict(train_tokens=train_ids.numel(), vocab_size=tok.get_vocab_size())

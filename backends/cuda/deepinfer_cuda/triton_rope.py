@@ -62,8 +62,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -
         raise ValueError(f"rope: rope width 2·{half} exceeds the head dim {dim}")
     x3 = x if x.dim() == 3 else x[:, None, :]
     x3 = unit_inner(x3)
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    cos = unit_inner(cos)
+    sin = unit_inner(sin)
     heads = x3.shape[1]
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     block_d = min(next_power_of_2(dim), choose(1024, 32))
