@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -40,7 +40,26 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     swa_replay: Literal["bounded", "exact"] = "bounded"
     overlap_scheduling: bool = True
+    enforce_eager: bool | None = Field(
+        None, description="True: never capture graphs; False: capture decode graphs; None: the device's default"
+    )
+    graph_capture_sizes: list[int] | None = Field(
+        None, description="decode batch sizes captured as graphs (default 1, 2, 4, 8, 16, 24, ... up to max_num_seqs)"
+    )
     expert_parallel_size: int = Field(1, gt=0)
+
+    @field_validator("graph_capture_sizes")
+    @classmethod
+    def _positive_sizes(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(s <= 0 for s in v)):
+            raise ValueError("give at least one size, every size > 0")
+        return v
+
+    @model_validator(mode="after")
+    def _sizes_fit(self) -> "EngineConfig":
+        if self.graph_capture_sizes is not None and max(self.graph_capture_sizes) > self.max_num_seqs:
+            raise ValueError(f"graph_capture_sizes go up to {max(self.graph_capture_sizes)} but max_num_seqs is {self.max_num_seqs}; a step never has more sequences")
+        return self
 
 
 def _read_file(path: str) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The engine: requests in, tokens out, one scheduler step at a time.
 
-Each ``step`` asks the scheduler which tokens to compute, runs them through the
-model runner, samples the requests whose chunk reached their last token, and
-applies stop conditions. Bad requests fail alone: their output carries the
-error and the rest of the batch goes on.
+Each ``step`` asks the scheduler for the next step's records, hands them to the
+device (the runner samples the sequences whose chunk reached their last token),
+and applies the returned tokens: log-probabilities, stop conditions, cache
+commits. Bad requests fail alone: their output carries the error and the rest
+of the batch goes on.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .registry import select_backend
 from .request import Request, RequestStatus
-from .sampler import Sampler, to_logprobs
+from .sampler import to_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
 from .stats import EngineStats
+from .step import GrammarGate, Step, StepResult
+from .step_executor import StepExecutor
 from .structured_output import GrammarCompilerCache, allocate_bitmask
-from .worker import DeviceWorker, GrammarGate, StepPlan, StepResult
 
 log = logging.getLogger("deepinfer")
 
@@ -68,9 +70,10 @@ def replay_length(config: ModelConfig, mode: str) -> int:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.stats = EngineStats()
         self.backend = select_backend(config.backend, config.kernels, config.interpret)
         model_dir = resolve_model_dir(config.model)
-        self.runner = ModelRunner(self.backend, model_dir, config)
+        self.runner = ModelRunner(self.backend, model_dir, config, self.stats)
         self.tokenizer = load_tokenizer(model_dir)
         mc = self.runner.config
         self.vocab_size = mc.vocab_size
@@ -82,17 +85,16 @@ class Engine:
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, plan.num_slots, config.enable_prefix_caching)
         self.replay_tokens = replay_length(mc, config.swa_replay)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start, self.stats
         )
-        self.sampler = Sampler(self.backend.kernels, self.backend.device, config.seed)
+        #: user request id -> its first completion (which lists every completion in ``siblings``)
         self.requests: dict[str, Request] = {}
+        #: every completion the device may still return tokens for, by its own id
+        self._live: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.stats = EngineStats()
         self._grammar_cache: GrammarCompilerCache | None = None
-        self.worker = DeviceWorker(self.runner, self.sampler, threaded=config.overlap_scheduling)
-        self._inflight: deque[tuple[StepPlan, Future]] = deque()
-        #: request id -> index among the last planned step's samples (placeholder sources)
-        self._prev_sample_index: dict[str, int] = {}
+        self.executor = StepExecutor(self.runner, threaded=config.overlap_scheduling)
+        self._inflight: deque[tuple[Step, Future]] = deque()
 
     def _grammars(self) -> GrammarCompilerCache:
         """The grammar compiler, built on the first constrained request (xgrammar loads slowly)."""
@@ -106,6 +108,10 @@ class Engine:
         to save anything over a full prefill, so the request is prefilled from scratch."""
         start = hit - self.replay_tokens
         return start if start > 0 else None
+
+    def get_metrics(self) -> dict[str, Any]:
+        """The engine's counters (what ``--stats`` prints)."""
+        return self.stats.as_dict()
 
     # ----- requests -----
 
@@ -124,7 +130,7 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None
     ) -> Request:
-        """Queue one request; an invalid one is returned already finished with its error."""
+        """Queue one prompt (``params.n`` completions of it); an invalid one is returned already finished with its error."""
         request_id = request_id or str(next(self._ids))
         text = prompt if isinstance(prompt, str) else None
         req = Request(request_id, text, [], SamplingParams())
@@ -138,34 +144,46 @@ class Engine:
             ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
             req.prompt_token_ids = ids
             self._validate(ids)
-            if params.structured_outputs is not None:
-                req.state["grammar"] = self._grammars().request_grammar(params.structured_outputs)
+            children = [req] + [Request(f"{request_id}#{i}", text, ids, params, index=i, fork_source=req) for i in range(1, params.n)]
+            for child in children:
+                child.siblings = children
+                if params.structured_outputs is not None:
+                    child.grammar = self._grammars().request_grammar(params.structured_outputs)
         except DeepInferError as exc:
             req.status = RequestStatus.FINISHED
             req.finish_reason = "abort"
-            req.state["error"] = str(exc)
+            req.error = str(exc)
             return req
-        req.eos_token_id = next(iter(self.eos_token_ids), None)
-        req.state["detok"] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+        for child in children:
+            child.eos_token_id = next(iter(self.eos_token_ids), None)
+            child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            child.max_total_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
+            self._live[child.request_id] = child
         if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None] * len(req.prompt_token_ids)
-        req.max_total_tokens = min(len(req.prompt_token_ids) + params.max_tokens, self.max_model_len)
-        self.scheduler.add(req)
+            req.prompt_logprobs = [None] * len(ids)
+        for child in children:
+            self.scheduler.add(child)
         return req
 
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; its output so far is kept with finish reason ``abort``."""
+        """Stop every completion of a request wherever it is; output so far is kept with finish reason ``abort``."""
         req = self.requests.get(request_id)
-        if req is not None and not req.finished:
-            self.scheduler.finish(req, "abort")
-            req.metrics.finished_time = time.monotonic()
+        if req is None:
+            return
+        for child in req.siblings:
+            if not child.finished:
+                self.scheduler.finish(child, "abort")
+                child.metrics.finished_time = time.monotonic()
 
     def release(self, request_ids: list[str]) -> None:
         """Forget finished requests once their outputs have been taken."""
         for rid in request_ids:
             req = self.requests.get(rid)
-            if req is not None and req.finished:
+            if req is not None and req.all_finished:
                 del self.requests[rid]
+                for child in req.siblings:
+                    if not child.num_pending:
+                        self._live.pop(child.request_id, None)
 
     @property
     def has_unfinished(self) -> bool:
@@ -173,136 +191,88 @@ class Engine:
 
     # ----- stepping -----
 
-    def _plan(self) -> tuple[StepPlan | None, list[Request]]:
-        """Schedule the next step and describe it for the device; also return preempted requests."""
+    def _next_step(self) -> tuple[Step | None, list[Request]]:
+        """Schedule the next step; also return the requests it preempted."""
         out = self.scheduler.schedule()
-        self.stats.preemptions += len(out.preempted)
-        if not out.chunks:
+        if not out.sequences:
             return None, list(out.preempted)
-        now = time.monotonic()
-        prev_index = self._prev_sample_index
-        tokens, placeholders, offsets, slots, tables, floors, frozen = [], [], [], [], {}, {}, {}
-        sample_rows, sample_reqs, prompt_rows = [], [], []
-        flat = row = 0
-        for c in out.chunks:
-            req = c.request
-            toks = req.token_slice(c.start, c.num_tokens)
-            for j, t in enumerate(toks):
-                if t < 0:
-                    placeholders.append((flat + j, prev_index[req.request_id]))
-            wants_prompt = req.params.prompt_logprobs is not None and c.start < req.num_prompt_tokens
-            offs = list(range(c.num_tokens)) if wants_prompt else ([c.num_tokens - 1] if c.samples else [])
-            if wants_prompt:
-                n = min(c.num_tokens, req.num_prompt_tokens - 1 - c.start)
-                if n > 0:
-                    prompt_rows.append((req, c.start, row, n))
-            if c.samples:
-                sample_rows.append(row + len(offs) - 1)
-                sample_reqs.append(req)
-            slot = self.kv.slots[req.request_id]
-            tokens.append(toks)
-            offsets.append(offs)
-            slots.append(slot)
-            tables[slot] = list(self.kv.tables[req.request_id])
-            floors[slot] = req.state_floor
-            frozen[slot] = req.num_cached_tokens
-            flat += c.num_tokens
-            row += len(offs)
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-                self.stats.prompt_tokens += req.num_prompt_tokens
-            if c.start == req.state_floor and req.num_cached_tokens:
-                # first chunk after a prefix hit
-                self.stats.cached_tokens += req.num_cached_tokens
-                self.stats.replayed_tokens += req.num_cached_tokens - req.state_floor
-            decode = c.samples and c.num_tokens == 1 and c.start + 1 >= req.num_known_tokens
-            if not decode:
-                self.stats.prefill_tokens += c.num_tokens
-            req.num_computed_tokens += c.num_tokens
-            if c.samples:
-                req.num_pending += 1
-        self._prev_sample_index = {r.request_id: i for i, r in enumerate(sample_reqs)}
-        ks = [r.params.logprobs for r in sample_reqs if r.params.logprobs is not None]
-        plan = StepPlan(
-            out.chunks, tokens, placeholders, offsets, slots, tables, floors, frozen, sample_rows, sample_reqs,
-            max(ks) if ks else None, prompt_rows,
-        )
-        constrained = [i for i, r in enumerate(sample_reqs) if "grammar" in r.state]
+        step = Step(out.sequences, finished_request_ids=out.finished_request_ids)
+        sampled = step.sampled
+        constrained = [i for i, s in enumerate(sampled) if self._live[s.request_id].grammar is not None]
         if constrained:
-            plan.grammar = GrammarGate(allocate_bitmask(len(constrained), self.vocab_size), constrained)
-        self.stats.steps += 1
-        self.stats.computed_tokens += out.num_tokens
-        return plan, list(out.preempted)
+            step.grammar = GrammarGate(allocate_bitmask(len(constrained), self.vocab_size), constrained)
+        return step, list(out.preempted)
 
-    @staticmethod
-    def _fill_grammar(plan: StepPlan) -> None:
-        """Write the constrained requests' masks; their grammars have seen every earlier token."""
-        gate = plan.grammar
+    def _fill_grammar(self, step: Step) -> None:
+        """Write the constrained sequences' masks; their grammars have seen every earlier token."""
+        gate = step.grammar
         if gate is None or gate.ready.is_set():
             return
+        sampled = step.sampled
         for j, i in enumerate(gate.rows):
-            plan.sample_reqs[i].state["grammar"].fill_bitmask(gate.bitmask, j)
+            self._live[sampled[i].request_id].grammar.fill_bitmask(gate.bitmask, j)
         gate.ready.set()
 
     def step(self) -> list[Request]:
-        """Advance by one step; return the requests that produced tokens, finished or were preempted.
+        """Advance by one step; return the requests (first completions) that gained tokens, finished or were preempted.
 
         With overlap scheduling the next step is scheduled and handed to the
         device before this step's tokens are read back, so a stop condition is
         seen one step late; the extra token it cost is discarded.
         """
         t0 = time.perf_counter()
-        plan, changed = self._plan()
+        step, changed = self._next_step()
         self.stats.schedule_seconds += time.perf_counter() - t0
-        if plan is not None:
+        if step is not None:
             if not self._inflight:
-                self._fill_grammar(plan)  # nothing pending: the masks can be written now
-            self._inflight.append((plan, self.worker.submit(plan)))
+                self._fill_grammar(step)  # nothing pending: the masks can be written now
+            self._inflight.append((step, self.executor.submit(step)))
         elif not self._inflight and self.scheduler.waiting and not self.scheduler.running:
             req = self.scheduler.waiting[0]
             self._fail(req, f"the request needs {self.kv.blocks_for(req.num_tokens)} cache blocks but the cache has {self.kv.pool.num_blocks}; raise kv_cache_memory")
             changed.append(req)
-        keep = 1 if (self.config.overlap_scheduling and plan is not None) else 0
+        keep = 1 if (self.config.overlap_scheduling and step is not None) else 0
         while len(self._inflight) > keep:
-            done_plan, fut = self._inflight.popleft()
+            done, fut = self._inflight.popleft()
             t1 = time.perf_counter()
             result = fut.result()
             self.stats.idle_wait_seconds += time.perf_counter() - t1
             self.stats.forward_seconds += result.forward_seconds
-            changed.extend(self._apply(done_plan, result))
-        for pending_plan, _ in self._inflight:
-            self._fill_grammar(pending_plan)  # the device waits for these before sampling
+            self.stats.graph_replays += int(result.graph)
+            changed.extend(self._apply(done, result))
+        for pending, _ in self._inflight:
+            self._fill_grammar(pending)  # the device waits for these before sampling
         self.stats.wall_seconds += time.perf_counter() - t0
-        return changed
+        return list({id(r): r for r in (c.siblings[0] for c in changed)}.values())
 
-    def _apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
+    def _apply(self, step: Step, result: StepResult) -> list[Request]:
         """Take a finished step's tokens into the requests: log-probabilities, stop conditions, cache commits."""
         changed: list[Request] = []
-        for req, start, rows in result.prompt_logprobs:
-            for j, r in enumerate(rows):
-                target = req.prompt_token_ids[start + 1 + j]
-                req.prompt_logprobs[start + 1 + j] = to_logprobs([self._trim(r, req.params.prompt_logprobs, target)], self._decode_one)[0]
-        for i, (req, tok) in enumerate(zip(plan.sample_reqs, result.token_list)):
-            req.num_pending -= 1
-            if req.finished:
-                continue  # stopped a step ago: this token was computed ahead and is dropped
-            if result.logprob_rows is not None and req.params.logprobs is not None:
-                keep = self._trim(result.logprob_rows[i], req.params.logprobs, tok)
-                req.logprobs.extend(to_logprobs([keep], self._decode_one))
-            self._append(req, tok)
-            changed.append(req)
-        for c in plan.chunks:
-            if not c.request.finished:
-                self.kv.commit(c.request)
-        self.stats.generated_tokens += len(changed)
+        for s in step.sequences:
+            req = self._live.get(s.request_id)
+            if req is None:
+                continue
+            scored = result.prompt_logprobs.get(s.request_id)
+            if scored is not None and not req.finished:
+                first, rows = scored
+                req.prompt_logprobs[first : first + len(rows)] = to_logprobs(rows, self._decode_one)
+            if s.sample is not None:
+                req.num_pending -= 1
+                if not req.finished:  # else it stopped a step ago: this token was computed ahead and is dropped
+                    tok = result.tokens[s.request_id]
+                    if tok.logprobs is not None:
+                        req.logprobs.extend(to_logprobs([tok.logprobs], self._decode_one))
+                    self._append(req, tok.token_id)
+                    self.stats.generated_tokens += 1
+                    changed.append(req)
+                if req.finished and not req.num_pending and req.siblings[0].request_id not in self.requests:
+                    self._live.pop(req.request_id, None)
+            if not req.finished:
+                self.kv.commit(req)
         return changed
 
     def stats_line(self) -> str:
         return self.stats.line()
-
-    @staticmethod
-    def _trim(row: dict[int, tuple[float, int]], k: int, chosen: int) -> dict[int, tuple[float, int]]:
-        return {t: v for t, v in row.items() if v[1] <= k or t == chosen}
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -316,7 +286,7 @@ class Engine:
         if m.first_token_time is None:
             m.first_token_time = now
         reason: tuple[str, str | int | None] | None = None
-        grammar = req.state.get("grammar")
+        grammar = req.grammar
         if grammar is not None and not grammar.accept(token):
             self._fail(req, f"token {token} was sampled outside the output grammar (a kernel ignored the bitmask)")
             return
@@ -327,7 +297,7 @@ class Engine:
         elif token in p.stop_token_ids:
             reason = ("stop", token)
         else:
-            delta = req.state["detok"].push(token)
+            delta = req.detokenizer.push(token)
             req.output_text += delta
             hit = find_stop(req.output_text, len(delta), p.stop) if p.stop and delta else None
             if hit is not None:
@@ -343,32 +313,37 @@ class Engine:
 
     def _fail(self, req: Request, message: str) -> None:
         self.scheduler.finish(req, "abort")
-        req.state["error"] = message
+        req.error = message
         req.metrics.finished_time = time.monotonic()
 
     # ----- outputs -----
 
     def output(self, req: Request) -> RequestOutput:
-        """A snapshot of ``req``'s output so far."""
-        completion = CompletionOutput(
-            index=0,
-            text=req.output_text,
-            token_ids=list(req.output_token_ids),
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-        )
+        """A snapshot of the output so far of ``req``'s prompt: one completion per sibling."""
+        completions = [
+            CompletionOutput(
+                index=r.index,
+                text=r.output_text,
+                token_ids=list(r.output_token_ids),
+                logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+                finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
+            )
+            for r in req.siblings
+        ]
+        first = req.siblings[0]
         prompt_lps = None
-        if req.params.prompt_logprobs is not None and req.prompt_logprobs:
-            prompt_lps = list(req.prompt_logprobs)
+        if first.params.prompt_logprobs is not None and first.prompt_logprobs:
+            prompt_lps = list(first.prompt_logprobs)
+        errors = [r.error for r in req.siblings if r.error]
         return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=list(req.prompt_token_ids),
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=list(first.prompt_token_ids),
             prompt_logprobs=prompt_lps,
-            outputs=[completion],
-            finished=req.finished,
-            metrics=req.metrics,
-            error=req.state.get("error"),
-            num_cached_tokens=req.num_cached_tokens,
+            outputs=completions,
+            finished=req.all_finished,
+            metrics=first.metrics,
+            error=errors[0] if errors else None,
+            num_cached_tokens=first.num_cached_tokens,
         )

@@ -22,6 +22,7 @@ class KVCacheManager:
         self.tables: dict[str, list[int]] = {}
         self.slots: dict[str, int] = {}
         self._hashes: dict[str, list[int]] = {}
+        self._shared: dict[str, int] = {}
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -64,6 +65,27 @@ class KVCacheManager:
             table.extend(fresh)
         return True
 
+    def fork(self, source: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give ``child`` its own slot holding ``source``'s first ``num_tokens`` tokens: their full
+        blocks shared, a partly filled last block as a fresh block to copy into. Returns the
+        ``(source block, child block)`` copies to make, or None (nothing changed) without room."""
+        table = self.tables[source.request_id]
+        full, partial = divmod(num_tokens, self.block_size)
+        if not self._free_slots or (partial and self.pool.num_free < 1):
+            return None
+        shared = table[:full]
+        self.pool.acquire(shared)
+        fresh = self.pool.allocate(1) if partial else []
+        self.tables[child.request_id] = list(shared) + list(fresh or [])
+        self.slots[child.request_id] = self._free_slots.pop()
+        self._hashes[child.request_id] = []
+        self._shared[child.request_id] = full * self.block_size
+        return [(table[full], fresh[0])] if partial else []
+
+    def shared_tokens(self, req: Request) -> int:
+        """Leading tokens whose blocks ``req`` got from another sequence by ``fork``."""
+        return self._shared.get(req.request_id, 0)
+
     def commit(self, req: Request) -> None:
         """Register the blocks that are now full of computed tokens for prefix reuse."""
         hashes = self._hashes.get(req.request_id)
@@ -86,6 +108,7 @@ class KVCacheManager:
         self.pool.release(table)
         self._free_slots.append(self.slots.pop(req.request_id))
         self._hashes.pop(req.request_id, None)
+        self._shared.pop(req.request_id, None)
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Drop blocks past ``num_tokens`` (rejected speculative tokens)."""

@@ -29,6 +29,10 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_metrics(self) -> dict[str, Any]:
+        """The engine's counters: steps, tokens computed, prefix hits, preemptions, step times, graph replays, ..."""
+        return self.engine.get_metrics()
+
     def _submit(self, prompts: Prompt | Sequence[Prompt], params: Params | Sequence[Params] | None) -> list[str]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -51,15 +55,15 @@ class LLM:
         ids = self._submit(prompts, sampling_params)
         reqs = [self.engine.requests[i] for i in ids]
         for req in reqs:
-            if req.finished:
+            if req.all_finished:
                 yield self.engine.output(req)
-        pending = {r.request_id for r in reqs if not r.finished}
+        pending = {r.request_id for r in reqs if not r.all_finished}
         try:
             while pending:
                 for req in self.engine.step():
                     if req.request_id in pending:
                         yield self.engine.output(req)
-                        if req.finished:
+                        if req.all_finished:
                             pending.discard(req.request_id)
         finally:
             for rid in pending:  # the caller stopped iterating: abort what is left
@@ -81,10 +85,10 @@ class LLM:
         """
         ids = self._submit(prompts, sampling_params)
         bar = _Progress(len(ids)) if use_tqdm else None
-        done = sum(self.engine.requests[i].finished for i in ids)
-        while any(not self.engine.requests[i].finished for i in ids):
+        done = sum(self.engine.requests[i].all_finished for i in ids)
+        while any(not self.engine.requests[i].all_finished for i in ids):
             for req in self.engine.step():
-                if req.finished and bar is not None:
+                if req.all_finished and bar is not None:
                     done += 1
                     bar.update(done)
         if bar is not None:

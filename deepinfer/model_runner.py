@@ -1,24 +1,37 @@
-"""One rank's model, cache and sampler on the selected backend's device.
+"""One rank's model, cache, sampler and decode graphs on the selected backend's device.
 
-The runner turns scheduled chunks into a flattened batch on the device, runs the
-forward and returns logits. It touches the hardware only through the backend's
-``Device`` and ``Kernels``; all per-rank state lives on the instance.
+The runner turns a ``Step`` (one record per scheduled sequence) into the
+device batch in one place: it installs the records' block tables, computes
+every index on the host, copies them in one transfer, runs the forward
+(replaying a captured graph for decode steps it fits) and samples. Tokens the
+host has not seen yet are filled on the device from the previous step's
+samples, which the runner keeps. It touches the hardware only through the
+backend's ``Device`` and ``Kernels``; all per-rank state lives on the instance.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .config import EngineConfig
+from .decode_graphs import DecodeGraph, DecodeGraphs, default_capture_sizes
 from .errors import ConfigError
 from .model.batch import Batch
+from .model.cache import ModelCache
+from .model.cache_spec import CacheGeometry, block_size_for
+from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
 from .model.model import DeepseekV4Model
-from .paged_cache import PagedModelCache, block_size_for
 from .registry import SelectedBackend
+from .sampler import Sampler, top_logprobs
+from .stats import EngineStats
+from .step import SampledToken, Step, StepResult
 
 log = logging.getLogger("deepinfer")
 
@@ -36,6 +49,8 @@ class CachePlan:
     bytes_per_slot: int
     #: bytes the pools take (at most the configured budget)
     budget: int
+    #: longest sequence one slot holds
+    max_model_len: int
 
     @property
     def token_capacity(self) -> int:
@@ -49,12 +64,33 @@ class CachePlan:
         )
 
 
+def plan_cache(geometry: CacheGeometry, budget: int, slots: int, max_model_len: int, dtype: torch.dtype) -> CachePlan:
+    """Split ``budget`` bytes into ``slots`` sequence slots and as many token blocks as they can use."""
+    per_block = geometry.bytes_per_block(dtype)
+    per_slot = geometry.bytes_per_slot(dtype)
+    need_blocks = geometry.blocks_for(max_model_len)
+    remaining = budget - slots * per_slot
+    # more blocks than every slot at max_model_len can use would only hold cold prefixes
+    ceiling = slots * need_blocks
+    num_blocks = min(remaining // per_block, ceiling) if per_block else ceiling
+    if remaining < 0 or num_blocks < need_blocks:
+        need = slots * per_slot + need_blocks * per_block
+        raise ConfigError(
+            f"kv_cache_memory of {budget} bytes cannot hold one sequence of max_model_len {max_model_len}: "
+            f"{slots} sequence slots take {slots * per_slot} bytes and {need_blocks} blocks take {need_blocks * per_block} "
+            f"(at least {need} bytes needed); raise kv_cache_memory or lower max_model_len / max_num_seqs"
+        )
+    used = geometry.pool_bytes(slots, int(num_blocks), dtype)
+    return CachePlan(geometry.block_size, int(num_blocks), slots, per_block, per_slot, used, max_model_len)
+
+
 class ModelRunner:
-    def __init__(self, selected: SelectedBackend, model_dir: str | Path, cfg: EngineConfig) -> None:
+    def __init__(self, selected: SelectedBackend, model_dir: str | Path, cfg: EngineConfig, stats: EngineStats | None = None) -> None:
         self.device = selected.device
         self.kernels = selected.kernels
         self.torch_device = self.device.torch_device
         self.dtype = self._dtype(cfg.dtype)
+        self.stats = stats if stats is not None else EngineStats()
         self.device.manual_seed(cfg.seed)
         self.model = DeepseekV4Model.from_pretrained(model_dir, self.kernels, dtype=self.dtype, device=self.torch_device)
         self.config = self.model.config
@@ -64,13 +100,38 @@ class ModelRunner:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.config.max_position_embeddings}; lower it"
             )
         self.max_step_tokens = min(cfg.max_num_batched_tokens, cfg.max_prefill_chunk)
-        self.plan = self._plan(cfg)
-        log.info(self.plan.describe())
-        max_blocks = -(-self.max_model_len // self.plan.block_size)
-        self.cache = PagedModelCache(
-            self.config, self.plan.num_slots, self.plan.num_blocks, self.plan.block_size, max_blocks,
-            self.max_step_tokens, self.dtype, self.torch_device,
+        self.geometry = CacheGeometry.build(self.config, block_size_for(self.config, cfg.block_size), self.max_step_tokens, self.max_model_len)
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        else:
+            free, _ = self.device.memory_info()
+            budget = int(free * cfg.kv_cache_memory_fraction)
+        self.plan = plan_cache(self.geometry, budget, cfg.max_num_seqs, self.max_model_len, self.dtype)
+        self.cache = ModelCache(
+            self.geometry, self.plan.num_slots, self.plan.num_blocks, self.geometry.blocks_for(self.max_model_len),
+            self.dtype, self.torch_device,
         )
+        log.info(self.plan.describe())
+        self.sampler = Sampler(self.kernels, self.device, cfg.seed)
+        self._staging_tensor: torch.Tensor | None = None
+        #: recorded after each step's host-to-device copy: host buffers are rewritten only once it has passed
+        self._copied = self.device.new_event()
+        #: the previous step's sampled tokens on the device, and each request's index among them
+        self._last_tokens: torch.Tensor | None = None
+        self._last_index: dict[str, int] = {}
+        self.graphs: DecodeGraphs | None = None
+        if self._graph_mode(cfg):
+            sizes = cfg.graph_capture_sizes or default_capture_sizes(cfg.max_num_seqs)
+            self.graphs = DecodeGraphs(self.model, self.cache, self.device, sizes, self.max_model_len)
+            report = self.graphs.capture(_progress_line if sys.stderr.isatty() else None)
+            self.stats.graphs_captured = report.graphs
+            self.stats.graph_capture_seconds = report.seconds
+            self.stats.graph_capture_bytes = report.bytes
+            log.info(
+                f"captured {report.graphs} decode graphs ({len(self.graphs.sizes)} batch sizes up to {self.graphs.sizes[-1]} x "
+                f"{len(self.graphs.buckets)} context buckets up to {self.graphs.buckets[-1]}) in {report.seconds:.1f} s, "
+                f"{report.bytes / (1 << 20):.1f} MiB"
+            )
 
     def _dtype(self, name: str) -> torch.dtype:
         if name == "auto":
@@ -81,45 +142,119 @@ class ModelRunner:
             raise ConfigError(f"dtype {name} is not supported by device {self.device.type}; choose another --dtype")
         return dtype
 
-    def _plan(self, cfg: EngineConfig) -> CachePlan:
-        block_size = block_size_for(self.config, cfg.block_size)
-        per_block = PagedModelCache.bytes_per_block(self.config, block_size, self.dtype)
-        per_slot = PagedModelCache.bytes_per_slot(self.config, self.max_step_tokens, self.dtype)
-        if cfg.kv_cache_memory is not None:
-            budget = cfg.kv_cache_memory
-        else:
-            free, _ = self.device.memory_info()
-            budget = int(free * cfg.kv_cache_memory_fraction)
-        slots = cfg.max_num_seqs
-        need_blocks = -(-self.max_model_len // block_size)
-        remaining = budget - slots * per_slot
-        # more blocks than every slot at max_model_len can use would only hold cold prefixes
-        ceiling = slots * need_blocks
-        num_blocks = min(remaining // per_block, ceiling) if per_block else ceiling
-        if remaining < 0 or num_blocks < need_blocks:
-            need = slots * per_slot + need_blocks * per_block
-            raise ConfigError(
-                f"kv_cache_memory of {budget} bytes cannot hold one sequence of max_model_len {self.max_model_len}: "
-                f"{slots} sequence slots take {slots * per_slot} bytes and {need_blocks} blocks take {need_blocks * per_block} "
-                f"(at least {need} bytes needed); raise kv_cache_memory or lower max_model_len / max_num_seqs"
-            )
-        used = slots * per_slot + int(num_blocks) * per_block
-        return CachePlan(block_size, int(num_blocks), slots, per_block, per_slot, used)
+    def _graph_mode(self, cfg: EngineConfig) -> bool:
+        caps = self.device.capabilities()
+        if not caps.graph_capture:
+            if cfg.enforce_eager is False:
+                log.warning(f"device {self.device.type} has no graph capture; running eager")
+            return False
+        return not cfg.enforce_eager if cfg.enforce_eager is not None else caps.graph_by_default
 
-    def execute(
-        self,
-        tokens: list[list[int]],
-        starts: list[int],
-        offsets: list[list[int]],
-        slots: list[int],
-        fix: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Run one step (block tables already installed in ``self.cache``); return the
-        fp32 logits of the requested rows, sequence by sequence.
+    # ----- one step -----
 
-        ``fix`` = (flat positions, token ids on the device) fills placeholder tokens.
-        """
-        batch = Batch.build(tokens, slots, starts, offsets, device=self.torch_device)
-        if fix is not None:
-            batch.input_ids[fix[0]] = fix[1]
-        return self.model.forward(batch, self.cache).float()
+    @torch.inference_mode()
+    def execute(self, step: Step) -> StepResult:
+        """Run ``step`` and sample its sequences; steps must come in submission order."""
+        t0 = time.perf_counter()
+        for rid in step.finished_request_ids:
+            self.sampler.forget(rid)
+        compute = [s for s in step.sequences if s.num_tokens]
+        for s in step.sequences:
+            self.cache.set_sequence(s.slot, s.block_table, s.state_floor, s.shared_prefix_tokens)
+        rows: dict[str, list[int]] = {}
+        logits_indices: list[int] = []
+        placeholders: list[int] = []
+        flat = 0
+        for s in compute:
+            rows[s.request_id] = list(range(len(logits_indices), len(logits_indices) + len(s.logit_offsets)))
+            logits_indices.extend(flat + j for j in s.logit_offsets)
+            placeholders.extend(self._last_index[s.request_id] if t < 0 else -1 for t in s.token_ids)
+            flat += s.num_tokens
+        batch = Batch(
+            tuple(tuple(s.token_ids) for s in compute), tuple(s.slot for s in compute),
+            tuple(s.start for s in compute), tuple(logits_indices),
+        )
+        graph = self._graph_for(step, batch)
+        logits = self._forward(batch, np.asarray(placeholders, dtype=np.int64), graph) if compute else None
+        for s in step.sequences:
+            if s.fork is not None:
+                self.cache.fork(s.fork.source_slot, s.slot, list(s.fork.block_copies))
+
+        prompt_lps = {}
+        for s in compute:
+            if s.prompt_logprobs is not None:
+                r = rows[s.request_id]
+                targets = torch.tensor(s.prompt_logprobs.targets, dtype=torch.int64, device=self.torch_device)
+                lp_rows = logits[r[0] : r[0] + len(targets)]
+                prompt_lps[s.request_id] = (s.start + 1, top_logprobs(lp_rows, s.prompt_logprobs.k, targets))
+        sampled = step.sampled
+        sample_rows = [rows[s.fork.source_id if s.fork else s.request_id][-1] for s in sampled]
+        tokens = torch.empty(0, dtype=torch.int64, device=self.torch_device)
+        token_list: list[int] = []
+        lps = None
+        if sampled:
+            picked = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
+            bitmask = None
+            if step.grammar is not None:
+                step.grammar.ready.wait()
+                bitmask = (step.grammar.bitmask.to(picked.device), step.grammar.rows)
+            tokens = self.sampler.sample(picked, [s.sample for s in sampled], [s.request_id for s in sampled], bitmask)
+            ks = [s.sample.logprobs for s in sampled if s.sample.logprobs is not None]
+            if ks:
+                lps = top_logprobs(picked, max(ks), tokens)
+            token_list = tokens.tolist()
+        self._last_tokens = tokens
+        self._last_index = {s.request_id: i for i, s in enumerate(sampled)}
+        out = {}
+        for i, s in enumerate(sampled):
+            row = None
+            if lps is not None and s.sample.logprobs is not None:
+                row = {t: v for t, v in lps[i].items() if v[1] <= s.sample.logprobs or t == token_list[i]}
+            out[s.request_id] = SampledToken(token_list[i], row)
+        return StepResult(out, prompt_lps, time.perf_counter() - t0, graph is not None)
+
+    def _graph_for(self, step: Step, batch: Batch) -> DecodeGraph | None:
+        if self.graphs is None or not batch.num_seqs:
+            return None
+        if not all(s.is_decode for s in step.sequences if s.num_tokens):
+            return None
+        return self.graphs.find(batch.num_seqs, batch.max_context_len)
+
+    def _forward(self, batch: Batch, placeholders: np.ndarray, graph: DecodeGraph | None) -> torch.Tensor:
+        """fp32 logits of the batch's logits rows: the step's indices in one copy, then a replay or an eager forward."""
+        self.cache.begin_forward(batch)
+        self._copied.synchronize()
+        if graph is not None:
+            graph.load(batch, self.cache, placeholders)
+            self._copied.record()
+            self._fill_placeholders(graph.inputs, placeholders)
+            return graph.replay()[: len(batch.logits_indices)].float()
+        layout = StepLayout(StepShape.exact(batch, self.geometry), self.geometry)
+        host_tensor = self._host_staging(layout.numel)
+        fill_step_inputs(host_tensor.numpy(), layout, batch, self.cache, placeholders)
+        inputs = layout.forward_inputs(host_tensor.to(self.torch_device, non_blocking=True))
+        self._copied.record()
+        self._fill_placeholders(inputs, placeholders)
+        return self.model.forward(inputs, self.cache).float()
+
+    def _fill_placeholders(self, inputs: ForwardInputs, placeholders: np.ndarray) -> None:
+        """Tokens sampled by the previous step, written into the input ids on the device."""
+        if not (placeholders >= 0).any():
+            return
+        src = inputs.placeholder_src
+        filled = torch.where(src >= 0, self._last_tokens[src.clamp(min=0)], inputs.input_ids)
+        inputs.input_ids.copy_(filled)
+
+    def _host_staging(self, numel: int) -> torch.Tensor:
+        """A reused host buffer of at least ``numel`` int64, grown by doubling."""
+        have = 0 if self._staging_tensor is None else self._staging_tensor.numel()
+        if have < numel:
+            self._staging_tensor = self.device.host_buffer(max(numel, 2 * have), torch.int64)
+        return self._staging_tensor[:numel]
+
+
+def _progress_line(done: int, total: int) -> None:
+    sys.stderr.write(f"\rcapturing decode graphs: {done}/{total}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()

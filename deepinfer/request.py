@@ -5,10 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .outputs import PositionLogprobs, RequestMetrics
 from .sampling_params import SamplingParams
+from .step import PLACEHOLDER
+
+if TYPE_CHECKING:
+    from .detokenizer import IncrementalDetokenizer
+    from .structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -17,15 +22,25 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
+    """One sequence: a prompt and one completion of it.
+
+    With parallel sampling (``SamplingParams.n > 1``) a prompt has ``n``
+    requests, ``index`` 0 … n − 1, listed in each one's ``siblings``; request 0
+    prefills the prompt and the others start as copies of its state
+    (``fork_source``) when its prefill completes.
+    """
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    #: which of the prompt's ``n`` completions this is
+    index: int = 0
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    #: tokens (prompt then output) whose state is in the cache, or being computed
+    #: tokens (prompt then output) whose state is in the cache, or being computed; advanced by the scheduler only
     num_computed_tokens: int = 0
     #: tokens sampled on the device that the host has not seen yet (overlap scheduling)
     num_pending: int = 0
@@ -42,8 +57,24 @@ class Request:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     output_text: str = ""
-    #: per-request engine-side state (detokenizer, generator, grammar matcher, ...)
-    state: dict[str, Any] = field(default_factory=dict)
+    #: the one-line reason this request failed (None: it did not)
+    error: str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    #: its structured-output matcher (None: unconstrained)
+    grammar: RequestGrammar | None = None
+    #: the sibling whose prompt state this one copies instead of prefilling (None: it prefills itself)
+    fork_source: Request | None = None
+    #: every completion of this prompt, in index order (this request alone when n == 1)
+    siblings: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.siblings:
+            self.siblings = [self]
+
+    @property
+    def seed(self) -> int | None:
+        """This completion's generator seed: the request's seed plus its index (None: unseeded)."""
+        return None if self.params.seed is None else self.params.seed + self.index
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -60,9 +91,9 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, n: int) -> list[int]:
-        """Tokens ``[start, start + n)``, with -1 for positions still pending on the device."""
+        """Tokens ``[start, start + n)``, with ``PLACEHOLDER`` for positions still pending on the device."""
         known = self.all_token_ids[start : start + n]
-        return known + [-1] * (n - len(known))
+        return known + [PLACEHOLDER] * (n - len(known))
 
     @property
     def at_limit(self) -> bool:
@@ -76,3 +107,8 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def all_finished(self) -> bool:
+        """Whether every completion of this prompt has finished."""
+        return all(r.finished for r in self.siblings)

@@ -62,6 +62,7 @@ class SamplingParams(_Validated):
 
     what: ClassVar[str] = "sampling parameter"
 
+    n: int = Field(1, ge=1, description="completions of the prompt, sharing its prefill")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="0 or -1 keeps every token")

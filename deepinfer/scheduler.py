@@ -1,4 +1,4 @@
-"""Continuous batching: which tokens of which requests run in the next step.
+"""Continuous batching: which tokens of which requests run in the next step, as one record per sequence.
 
 Each step has a token budget (``max_num_batched_tokens``) shared by decodes and
 prefill chunks, so long prompts are split (chunked prefill) and mixed with the
@@ -6,39 +6,46 @@ decodes of running requests. Running requests go first, in arrival order; then
 waiting ones, first come first served, while there is budget, a free sequence
 slot and cache room. When the cache runs out, the newest running request is
 preempted: its cache is freed and it will be recomputed from scratch later.
+
+The scheduler is the only place that advances ``num_computed_tokens``: a
+request's tokens count as computed once they are scheduled. It also counts
+what it schedules into the engine's ``EngineStats``.
+
+Parallel sampling: the extra completions of a prompt wait here until their
+first sibling's prefill is scheduled to finish; in that same step they start
+as copies of its state (its full blocks shared, a partly filled last block
+copied) and draw their first tokens from its last logits row. Without a free
+slot or block for the copy they fall back to prefilling like any request.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledChunk:
-    request: Request
-    #: first token (index into prompt + output) computed in this step
-    start: int
-    num_tokens: int
-    #: whether this chunk reaches the request's last known token, so a new token is sampled
-    samples: bool = False
-
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
+from .stats import EngineStats
+from .step import ForkSpec, PromptLogprobSpec, SampleSpec, ScheduledSequence
 
 
 @dataclass
 class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    sequences: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    #: requests finished since the previous output
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(s.num_tokens for s in self.sequences)
+
+
+def sample_spec(req: Request) -> SampleSpec:
+    p = req.params
+    return SampleSpec(p.temperature, p.top_k, p.top_p, p.min_p, req.seed, p.logprobs)
 
 
 class Scheduler:
@@ -49,6 +56,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_chunk: int | None = None,
         replay_start: Callable[[int], int | None] = lambda hit: hit,
+        stats: EngineStats | None = None,
     ) -> None:
         """``replay_start(hit)`` gives the position from which a request whose first ``hit``
         tokens are cached recomputes (to rebuild state that is not cached), or None when
@@ -59,27 +67,34 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         #: most tokens of one sequence in one step
         self.max_chunk = max_chunk or max_num_batched_tokens
+        self.stats = stats if stats is not None else EngineStats()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        #: source request id -> its siblings waiting to start as copies of it
+        self._forks: dict[str, list[Request]] = {}
+        self._finished_ids: list[str] = []
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        if req.fork_source is not None:
+            self._forks.setdefault(req.fork_source.request_id, []).append(req)
+        else:
+            self.waiting.append(req)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._forks)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
-        self.num_preemptions += 1
+        self.stats.preemptions += 1
         self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -95,7 +110,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                self._emit(out, req, req.num_computed_tokens, n)
                 budget -= n
                 i += 1
                 continue
@@ -118,9 +133,82 @@ class Scheduler:
             req.num_cached_tokens = cached
             req.state_floor = start
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, start, n))
+            if cached:
+                self.stats.cached_tokens += cached
+                self.stats.replayed_tokens += cached - start
+            self._emit(out, req, start, n)
             budget -= n
+        if out.sequences:
+            self.stats.steps += 1
+            self.stats.computed_tokens += out.num_tokens
         return out
+
+    def _emit(self, out: SchedulerOutput, req: Request, start: int, n: int) -> None:
+        """Record one chunk of ``req`` and count it as computed."""
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
+            self.stats.prompt_tokens += req.num_prompt_tokens
+        samples = start + n == req.num_tokens
+        if not (samples and n == 1 and start + 1 >= req.num_known_tokens):
+            self.stats.prefill_tokens += n
+        offsets: list[int] = []
+        prompt_lp = None
+        if req.params.prompt_logprobs is not None and req.index == 0 and start < req.num_prompt_tokens:
+            rows = min(n, req.num_prompt_tokens - 1 - start)
+            if rows > 0:
+                offsets = list(range(rows))
+                targets = tuple(req.prompt_token_ids[start + 1 : start + 1 + rows])
+                prompt_lp = PromptLogprobSpec(req.params.prompt_logprobs, targets)
+        if samples and (not offsets or offsets[-1] != n - 1):
+            offsets.append(n - 1)
+        out.sequences.append(ScheduledSequence(
+            request_id=req.request_id,
+            slot=self.kv.slots[req.request_id],
+            start=start,
+            token_ids=req.token_slice(start, n),
+            block_table=list(self.kv.tables[req.request_id]),
+            state_floor=req.state_floor,
+            shared_prefix_tokens=req.num_cached_tokens,
+            logit_offsets=offsets,
+            sample=sample_spec(req) if samples else None,
+            prompt_logprobs=prompt_lp,
+        ))
+        req.num_computed_tokens = start + n
+        if samples:
+            req.num_pending += 1
+            if req.request_id in self._forks and not req.output_token_ids:
+                self._fork_siblings(out, req)
+
+    def _fork_siblings(self, out: SchedulerOutput, source: Request) -> None:
+        """Start the siblings waiting on ``source`` as copies of its state at the end of its prompt."""
+        length = source.num_prompt_tokens
+        for child in self._forks.pop(source.request_id):
+            child.fork_source = None
+            if child.finished:
+                continue
+            copies = self.kv.fork(source, child, length) if len(self.running) < self.max_num_seqs else None
+            if copies is None:
+                self.waiting.append(child)  # no room to copy: it prefills on its own
+                continue
+            child.status = RequestStatus.RUNNING
+            child.metrics.first_scheduled_time = time.monotonic()
+            child.num_computed_tokens = length
+            child.num_cached_tokens = self.kv.shared_tokens(child)
+            child.state_floor = source.state_floor
+            child.num_pending += 1
+            self.running.append(child)
+            self.stats.forked_sequences += 1
+            out.sequences.append(ScheduledSequence(
+                request_id=child.request_id,
+                slot=self.kv.slots[child.request_id],
+                start=length,
+                token_ids=[],
+                block_table=list(self.kv.tables[child.request_id]),
+                state_floor=child.state_floor,
+                shared_prefix_tokens=child.num_cached_tokens,
+                sample=sample_spec(child),
+                fork=ForkSpec(source.request_id, self.kv.slots[source.request_id], tuple(copies)),
+            ))
 
     def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
         """End ``req`` wherever it is, freeing its cache."""
@@ -133,4 +221,14 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req.fork_source is not None:
+            waiting = self._forks.get(req.fork_source.request_id, [])
+            if req in waiting:
+                waiting.remove(req)
+            if not waiting:
+                self._forks.pop(req.fork_source.request_id, None)
         self.kv.free(req)
+        self._finished_ids.append(req.request_id)
+        for child in self._forks.pop(req.request_id, []):  # it never reached the end of its prompt
+            child.fork_source = None
+            self.waiting.append(child)

@@ -90,7 +90,7 @@ def test_warn_passes_with_a_warning_and_unsupported_dtypes_skip(plugin_root, tmp
     half = [c for o, c, d in OP_CASES if o in ("rope", "rms_norm") and d == "float16"]
     assert counts["skipped"] == len(half)
     assert counts["passed"] == sum(1 for o, _, d in OP_CASES if o in ("rope", "rms_norm") and d != "float16")
-    assert counts["passed"] + counts["skipped"] + counts["deselected"] == len(OP_CASES) + len(COMM_CASES) + len(PROMPTS)
+    assert counts["passed"] + counts["skipped"] + counts["deselected"] == len(OP_CASES) + len(COMM_CASES) + 2 * len(PROMPTS)
     assert "not supported: device does not support float16" in proc.stdout
     assert proc.stdout.count("ConformanceWarning: ops.rope") == len(rope_fp32)
 
@@ -104,12 +104,13 @@ def test_failures_carry_the_case_message_for_ops_and_e2e(plugin_root, tmp_path):
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     counts = _counts(proc.stdout)
-    assert counts["failed"] == 3 + len(PROMPTS) and "passed" not in counts
+    # eager e2e fails against the reference; graph replay is off on the cpu device by default, so skipped
+    assert counts["failed"] == 3 + len(PROMPTS) and counts["skipped"] == len(PROMPTS) and "passed" not in counts
     assert re.search(
         r"_ test_op\[hash_route-t6_v32_e8_k2-float32\] _+\nFAIL: ops.hash_route t6_v32_e8_k2 \[float32\]: \d+ of \d+ elements out of tolerance\n",
         proc.stdout,
     ), proc.stdout
-    assert re.search(r"_ test_e2e\[prose\] _+\nFAIL: e2e.greedy prose \[float32\]: .*mean KL .*min top-5 overlap", proc.stdout), proc.stdout
+    assert re.search(r"_ test_e2e\[greedy-prose\] _+\nFAIL: e2e.greedy prose \[float32\]: .*mean KL .*min top-5 overlap", proc.stdout), proc.stdout
 
 
 def test_options_are_not_claimed_outside_the_conformance_package():

@@ -38,14 +38,14 @@ _GENERATE = textwrap.dedent(
         cache = ContiguousCache(model.config, len(prompts), max(map(len, prompts)) + steps + 1, dtype=torch.float32)
         slots = [cache.allocate() for _ in prompts]
         # the whole prompts in one step (prefill), then every sequence one token per step (decode)
-        logits = model.forward(Batch.build(prompts, slots, [0] * len(prompts)), cache)
+        logits = model(Batch.build(prompts, slots, [0] * len(prompts)), cache)
         tokens, all_logits = [[] for _ in prompts], [logits]
         for _ in range(steps):
             nxt = logits.float().argmax(-1).tolist()
             for out, tok in zip(tokens, nxt):
                 out.append(tok)
             starts = [len(p) + len(out) - 1 for p, out in zip(prompts, tokens)]
-            logits = model.forward(Batch.build([[t] for t in nxt], slots, starts), cache)
+            logits = model(Batch.build([[t] for t in nxt], slots, starts), cache)
             all_logits.append(logits)
         return tokens, torch.stack(all_logits)
 

@@ -8,7 +8,7 @@ import torch
 from deepinfer.errors import ConfigError
 from deepinfer.llm import LLM
 from deepinfer.model.config import ModelConfig
-from deepinfer.paged_cache import PagedModelCache, block_size_for
+from deepinfer.model.cache_spec import CacheGeometry, block_size_for
 from deepinfer.sampling_params import InvalidRequestError, SamplingParams
 from tests.helpers.checkpoints import BOS_ID, EOS_ID, VOCAB_SIZE, build_hf_model, make_tiny_checkpoint
 from tests.helpers.reference import greedy_alone, load_model
@@ -64,9 +64,10 @@ def test_preemption_keeps_outputs_exact(ckpt, prompts, alone):
     config = ModelConfig.from_pretrained(ckpt)
     bs = block_size_for(config, 16)
     step = 16
-    per_slot = PagedModelCache.bytes_per_slot(config, step, torch.float32)
-    per_block = PagedModelCache.bytes_per_block(config, bs, torch.float32)
     max_len = 96
+    geometry = CacheGeometry.build(config, bs, step, max_len)
+    per_slot = geometry.bytes_per_slot(torch.float32)
+    per_block = geometry.bytes_per_block(torch.float32)
     blocks = math.ceil(max_len / bs) + 4  # room for about two long sequences at once
     budget = 8 * per_slot + blocks * per_block
     llm = LLM(
@@ -74,8 +75,9 @@ def test_preemption_keeps_outputs_exact(ckpt, prompts, alone):
         max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=step, enable_prefix_caching=False,
     )
     outs = llm.generate(prompts, GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert sum(o.metrics.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions
+    preemptions = llm.get_metrics()["preemptions"]
+    assert preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == preemptions
     assert _tokens(outs) == alone
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,34 +18,47 @@ RAW = dict(
 CFG = ModelConfig.from_hf(RAW)
 
 
-def _t(*v: int) -> torch.Tensor:
-    return torch.tensor(v, dtype=torch.int64)
+def _a(*v: int) -> np.ndarray:
+    return np.array(v, dtype=np.int64)
 
 
 def test_live_rows_are_distinct_and_negative_positions_map_to_minus_one():
     cache = ContiguousCache(CFG, 2, 64, max_step_tokens=4, dtype=torch.float32)
-    assert cache.window_capacity == 8 - 1 + 4
+    assert cache.window_rows == 8 - 1 + 4
+    csa = cache.geometry.specs[CSA]
     # the rows one step of 4 tokens at position 20 needs, for both sequences, never collide
-    win = torch.arange(20 - 7, 24)
-    rows = torch.cat([cache.window_slots(CSA, torch.full_like(win, s), win) for s in (0, 1)])
-    entries = torch.arange(0, 24 // 4)
-    rows = torch.cat([rows] + [cache.entry_slots(CSA, torch.full_like(entries, s), entries) for s in (0, 1)])
-    assert rows.unique().numel() == rows.numel() and int(rows.max()) < cache.kv_pool(1).shape[0]
-    state = torch.arange(20 - 4, 24)
-    srows = torch.cat([cache.state_slots(CSA, torch.full_like(state, s), state) for s in (0, 1)])
-    assert srows.unique().numel() == srows.numel() and int(srows.max()) < cache.state_pool(1, "compressor")[0].shape[0]
-    assert cache.window_slots(SLIDING, _t(0, 1, -1), _t(-3, 2, 5)).tolist()[0] == -1
-    assert cache.window_slots(SLIDING, _t(0, 1, -1), _t(-3, 2, 5)).tolist()[2] == -1
-    assert cache.entry_slots(HCA, _t(1), _t(-1)).tolist() == [-1]
+    win = np.arange(20 - 7, 24)
+    rows = np.concatenate([cache.window_rows_of(np.full_like(win, s), win) for s in (0, 1)])
+    entries = np.arange(0, 24 // 4)
+    rows = np.concatenate([rows] + [cache.entry_rows_of(csa, np.full_like(entries, s), entries) for s in (0, 1)])
+    assert len(np.unique(rows)) == len(rows) and rows.min() >= 0 and rows.max() < cache.kv_pool(1).shape[0]
+    state = np.arange(20 - 4, 24)
+    srows = np.concatenate([cache.state_rows_of(csa, np.full_like(state, s), state) for s in (0, 1)])
+    assert len(np.unique(srows)) == len(srows) and srows.max() < cache.state_pool(1, "compressor")[0].shape[0]
+    assert cache.window_rows_of(_a(0, 1, -1), _a(-3, 2, 5)).tolist() == [-1, 1 * 11 + 2, -1]
+    assert cache.entry_rows_of(cache.geometry.specs[HCA], _a(1), _a(-1)).tolist() == [-1]
 
 
-def test_pool_shapes_follow_layer_types():
+def test_floor_and_shared_tokens_protect_state_the_sequence_did_not_compute():
+    cache = ContiguousCache(CFG, 2, 64, max_step_tokens=4, dtype=torch.float32)
+    csa = cache.geometry.specs[CSA]
+    cache.set_sequence(0, list(cache.tables[0][cache.tables[0] >= 0]), floor=10, shared_tokens=16)
+    assert cache.window_rows_of(_a(0, 0), _a(9, 10)).tolist()[0] == -1 and cache.window_rows_of(_a(0), _a(10))[0] >= 0
+    assert cache.state_rows_of(csa, _a(0), _a(9)).tolist() == [-1]
+    # entries 0-3 come from shared blocks: readable, never rewritten
+    assert (cache.entry_rows_of(csa, _a(0, 0), _a(3, 4)) >= 0).all()
+    assert cache.entry_write_rows_of(csa, _a(0, 0), _a(3, 4))[0] == -1
+    assert cache.entry_write_rows_of(csa, _a(0, 0), _a(3, 4))[1] >= 0
+
+
+def test_pool_shapes_follow_layer_types_and_the_geometry():
     cache = ContiguousCache(CFG, 2, 64, dtype=torch.bfloat16)
     assert cache.kv_pool(0).shape == (2 * 64, 16)  # ring as long as the sequence: no wrap at all
     assert cache.kv_pool(2).shape == (2 * (64 + 64 // 16), 16)
     assert cache.state_pool(1, "compressor")[0].shape[1] == 32 and cache.state_pool(1, "indexer")[1].shape[1] == 16
     assert cache.state_pool(2, "compressor")[0].shape[1] == 16
     assert cache.index_pool(1).shape == (2 * 16, 8) and cache.index_pool(1).dtype == torch.bfloat16
+    assert cache.pool_bytes() == cache.geometry.pool_bytes(cache.num_slots, cache.num_blocks, torch.bfloat16)
 
 
 def test_bookkeeping_errors():
@@ -78,12 +92,10 @@ def test_bookkeeping_errors():
 
 def test_batch_build_layout_and_errors():
     b = Batch.build([[5, 6, 7], [8]], [3, 1], [10, 0], logits=[[0, 2], [0]])
-    assert b.positions.tolist() == [10, 11, 12, 0]
-    assert b.token_slots.tolist() == [3, 3, 3, 1]
-    assert b.query_start_loc.tolist() == [0, 3, 4]
-    assert b.logits_indices.tolist() == [0, 2, 3]
+    assert b.query_start_loc == (0, 3, 4)
+    assert b.logits_indices == (0, 2, 3)
     assert b.max_context_len == 13 and b.num_tokens == 4 and b.num_seqs == 2
-    assert Batch.build([[5, 6]], [0], [0], logits="all").logits_indices.tolist() == [0, 1]
+    assert Batch.build([[5, 6]], [0], [0], logits="all").logits_indices == (0, 1)
     empty = Batch.build([], [], [])
     assert empty.num_tokens == 0 and empty.max_context_len == 0
     with pytest.raises(DeepInferError, match="repeated cache slots"):

@@ -51,7 +51,7 @@ def _rewrite(src, dst, quantize: bool):
 
 def _logits(model, tokens):
     cache = ContiguousCache(model.config, 1, len(tokens) + 1, dtype=model.dtype)
-    return model.forward(Batch.build([tokens], [cache.allocate()], [0], "all"), cache)
+    return model(Batch.build([tokens], [cache.allocate()], [0], "all"), cache)
 
 
 def test_fp8_checkpoint_matches_dequantized_reference(tmp_path):

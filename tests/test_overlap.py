@@ -61,7 +61,7 @@ def test_outputs_identical_with_and_without_overlap(ckpt):
     assert eng_on.stats.computed_tokens - eng_off.stats.computed_tokens <= len(params)
 
 
-def test_forward_runs_on_a_worker_thread(ckpt):
+def test_forward_runs_on_the_device_thread(ckpt):
     llm = LLM(model=str(ckpt), backend="cpu", kv_cache_memory=64 << 20, max_model_len=128, overlap_scheduling=True)
     before = {t.ident for t in threading.enumerate()}
     llm.generate(_prompts(2), SamplingParams(temperature=0, max_tokens=4))
@@ -69,4 +69,4 @@ def test_forward_runs_on_a_worker_thread(ckpt):
     assert any(t.name.startswith("deepinfer-device") for t in new)
     assert llm.engine.stats.steps > 0 and 0.0 <= llm.engine.stats.device_idle_fraction <= 1.0
     off = LLM(model=str(ckpt), backend="cpu", kv_cache_memory=64 << 20, max_model_len=128, overlap_scheduling=False)
-    assert off.engine.worker._pool is None
+    assert not off.engine.executor.threaded and llm.engine.executor.threaded

@@ -3,6 +3,7 @@
 import torch
 
 from deepinfer.llm import LLM
+from deepinfer.model import Batch
 from tests.helpers.checkpoints import BOS_ID, make_tiny_checkpoint
 
 
@@ -12,14 +13,13 @@ def test_rejected_tokens_leave_no_trace(tmp_path):
     runner = llm.engine.runner
     cache = runner.cache
     bs = cache.block_size
-    table = list(range(128 // bs))
-    cache.set_sequences({0: table}, {0: 0}, {0: 0})
+    cache.set_sequence(0, list(range(128 // bs)))
     g = torch.Generator().manual_seed(0)
     prompt = [BOS_ID] + torch.randint(0, 256, (13,), generator=g).tolist()
     follow = torch.randint(0, 256, (20,), generator=g).tolist()
 
     def run(tokens, start):
-        return runner.execute([tokens], [start], [list(range(len(tokens)))], [0])
+        return runner.model(Batch.build([tokens], [0], [start], logits="all"), cache)
 
     straight = torch.cat([run(prompt, 0), run(follow, len(prompt))])
     # same prefill, then a step of 6 provisional tokens that close compressor windows and a block,

@@ -75,12 +75,12 @@ def test_eviction_under_small_cache_keeps_outputs(ckpt):
     prompts = [[BOS_ID] + _tokens(80, s) + _tokens(5, 100 + i) for i, s in enumerate([1, 2, 1, 3, 2, 1])]
     off = _serve(_llm(ckpt, enable_prefix_caching=False), prompts)
     from deepinfer.model.config import ModelConfig
-    from deepinfer.paged_cache import PagedModelCache, block_size_for
+    from deepinfer.model.cache_spec import CacheGeometry, block_size_for
 
     config = ModelConfig.from_pretrained(ckpt)
-    bs = block_size_for(config, 16)
-    per_slot = PagedModelCache.bytes_per_slot(config, 64, torch.float32)
-    per_block = PagedModelCache.bytes_per_block(config, bs, torch.float32)
+    geometry = CacheGeometry.build(config, block_size_for(config, 16), 64, 200)
+    per_slot = geometry.bytes_per_slot(torch.float32)
+    per_block = geometry.bytes_per_block(torch.float32)
     llm = _llm(ckpt, swa_replay="exact", kv_cache_memory=2 * per_slot + 14 * per_block, max_num_seqs=2, max_model_len=200,
                max_num_batched_tokens=64, max_prefill_chunk=64)
     on = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]

@@ -11,14 +11,25 @@ def _req(rid, n, first=0):
     return Request(rid, None, list(range(first, first + n)), SamplingParams(max_tokens=4))
 
 
+class _Chunk:
+    """A scheduled record with its request, for readable assertions."""
+
+    def __init__(self, seq, reqs):
+        self.request = reqs[seq.request_id]
+        self.start, self.num_tokens, self.samples = seq.start, seq.num_tokens, seq.sample is not None
+
+
 def _step(sched, sampled=7):
-    """Run one schedule and pretend the device computed it."""
+    """Run one schedule and pretend the device computed it (the scheduler already counted the tokens)."""
+    reqs = {r.request_id: r for r in [*sched.running, *sched.waiting]}
     out = sched.schedule()
-    for c in out.chunks:
-        c.request.num_computed_tokens += c.num_tokens
+    chunks = [_Chunk(s, reqs) for s in out.sequences]
+    for c in chunks:
         sched.kv.commit(c.request)
         if c.samples:
+            c.request.num_pending -= 1
             c.request.output_token_ids.append(sampled)
+    out.chunks = chunks
     return out
 
 
@@ -62,7 +73,7 @@ def test_preemption_newest_first_and_recompute():
     for _ in range(6):
         _step(s)
     # the cache cannot hold both growing sequences: the newest was preempted and waits
-    assert s.num_preemptions >= 1 and new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
+    assert s.stats.preemptions >= 1 and new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
     assert old.status is RequestStatus.RUNNING
     assert new.metrics.num_preemptions >= 1 and new.output_token_ids  # keeps its tokens, recomputes them
     s.finish(old, "length")

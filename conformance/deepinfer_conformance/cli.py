@@ -7,7 +7,7 @@ import argparse
 from deepinfer.registry import select_backend
 
 from .comm import run_comm
-from .e2e import MAX_NEW_TOKENS, PROMPTS, resolve_dtype, resolve_model, run_e2e
+from .e2e import MAX_NEW_TOKENS, PROMPTS, graphs_by_default, resolve_dtype, resolve_model, run_e2e
 from .ops import dtype_name, run_ops
 from .report import build_report, failed, summary_table, write_json, write_junit
 
@@ -24,6 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="dtype the backend runs the e2e model in (auto: float32 on the host, bfloat16 on an accelerator)",
+    )
+    p.add_argument(
+        "--graphs", default="auto", choices=["auto", "on", "off"],
+        help="e2e: also replay decode steps from graphs the device captures, against eager (auto: where the engine captures by default)",
     )
     p.add_argument("--report", metavar="FILE.json", help="write the JSON report here")
     p.add_argument("--junit", metavar="FILE.xml", help="write a JUnit XML report here")
@@ -43,9 +47,10 @@ def run(args: argparse.Namespace, backend: str, interpret: bool) -> int:
         # settle the model and dtype before any suite runs, so a bad flag fails at once
         model_dir = resolve_model(args.model)
         dtype = resolve_dtype(args.dtype, selected.device)
+        graphs = graphs_by_default(selected.device) if args.graphs == "auto" else args.graphs == "on"
         e2e_settings = {
             "model": str(model_dir), "dtype": dtype_name(dtype), "max_new_tokens": MAX_NEW_TOKENS,
-            "prompts": dict(PROMPTS),
+            "prompts": dict(PROMPTS), "graphs": graphs,
         }
     results = []
     if "ops" in suites:
@@ -53,7 +58,7 @@ def run(args: argparse.Namespace, backend: str, interpret: bool) -> int:
     if "comm" in suites:
         results += run_comm(selected.name, args.kernels, interpret, communicator_cls=selected.communicator_cls)
     if e2e_settings is not None:
-        results += run_e2e(selected.kernels, selected.device, model_dir, dtype)
+        results += run_e2e(selected.kernels, selected.device, model_dir, dtype, graphs=graphs)
     report = build_report(selected.name, selected.kernels_name, results, e2e=e2e_settings)
     if args.report:
         write_json(report, args.report)

@@ -15,6 +15,12 @@ tie there: its log-probability of the backend's token is within the dtype's
 ``logprob`` tolerance of its own choice (the spirit of vLLM's logprob-closeness
 check). All prompts run as one batch, so a run costs one prefill and one step
 per generated token on each side.
+
+With graph mode (``graphs``; by default where the engine captures graphs),
+the backend runs the same teacher-forced steps again with every decode step
+replayed from a graph its device captured, and those distributions are judged
+against the backend's own eager run by the same rules (op ``greedy-graph``):
+a vendor's graph implementation has to compute what its eager path computes.
 """
 
 from __future__ import annotations
@@ -92,21 +98,29 @@ def _load(model_dir: Path, kernels: Kernels, dtype: torch.dtype, device: torch.d
     return DeepseekV4Model.from_pretrained(model_dir, kernels, dtype=dtype, device=device)
 
 
-def step_logprobs(model, prompts: list[list[int]], steps: int, forced: list[list[int]] | None = None) -> tuple[torch.Tensor, list[list[int]]]:
+def step_logprobs(
+    model, prompts: list[list[int]], steps: int, forced: list[list[int]] | None = None, device: Device | None = None
+) -> tuple[torch.Tensor, list[list[int]]]:
     """Greedy (or, with ``forced``, teacher-forced) generation of all prompts as one batch.
 
     Returns ``[P, steps, V]`` fp32 CPU log-probabilities of each step's next
-    token, and the tokens fed after each step (the argmax, or ``forced``).
+    token, and the tokens fed after each step (the argmax, or ``forced``). With
+    ``device``, every decode step replays a graph that ``device`` captured
+    before the prefill, as the engine does; else every step runs eager.
     """
+    from deepinfer.decode_graphs import DecodeGraphs
     from deepinfer.model.batch import Batch
     from deepinfer.model.cache import ContiguousCache
 
-    device = model.device
     n = len(prompts)
     longest = max(len(p) for p in prompts)
-    cache = ContiguousCache(model.config, n, longest + steps + 1, dtype=model.dtype, device=device)
+    cache = ContiguousCache(model.config, n, longest + steps + 1, dtype=model.dtype, device=model.device)
     slots = [cache.allocate() for _ in range(n)]
-    logits = model.forward(Batch.build(prompts, slots, [0] * n, device=device), cache)
+    graphs = None
+    if device is not None:
+        graphs = DecodeGraphs(model, cache, device, [n], cache.max_len)
+        graphs.capture()
+    logits = model(Batch.build(prompts, slots, [0] * n), cache)
     out = torch.empty(n, steps, model.config.vocab_size)
     tokens: list[list[int]] = [[] for _ in range(n)]
     for i in range(steps):
@@ -116,9 +130,21 @@ def step_logprobs(model, prompts: list[list[int]], steps: int, forced: list[list
         for seq, t in zip(tokens, fed):
             seq.append(int(t))
         if i + 1 < steps:
-            batch = Batch.build([[t] for t in fed], slots, [len(p) + i for p in prompts], device=device)
-            logits = model.forward(batch, cache)
+            batch = Batch.build([[t] for t in fed], slots, [len(p) + i for p in prompts])
+            if graphs is None:
+                logits = model(batch, cache)
+            else:
+                cache.begin_forward(batch)
+                graph = graphs.find(n, batch.max_context_len)
+                graph.load(batch, cache)
+                logits = graph.replay()[:n].clone()
     return out, tokens
+
+
+def graphs_by_default(device: Device) -> bool:
+    """Whether the engine captures decode graphs on ``device`` unless told otherwise."""
+    caps = device.capabilities()
+    return caps.graph_capture and caps.graph_by_default
 
 
 @dataclass
@@ -188,14 +214,19 @@ def run_e2e(
     dtype: torch.dtype | None = None,
     prompts: Sequence[tuple[str, str]] = PROMPTS,
     max_new_tokens: int = MAX_NEW_TOKENS,
+    graphs: bool | None = None,
 ) -> list[CaseResult]:
-    """One ``CaseResult(suite="e2e", op="greedy", case=prompt id)`` per prompt.
+    """One ``CaseResult(suite="e2e", op="greedy", case=prompt id)`` per prompt, and with ``graphs``
+    one ``op="greedy-graph"`` per prompt: the backend's decode steps replayed from graphs its
+    device captured, judged against the backend's own eager run.
 
     ``model`` is an HF-layout directory (None: the bundled model); ``dtype`` the
-    backend's (None: the engine's default for ``device``).
+    backend's (None: the engine's default for ``device``); ``graphs`` None: on
+    where the engine captures graphs by default.
     """
     model_dir = resolve_model(model)
     dtype = dtype or resolve_dtype(None, device)
+    graphs = graphs_by_default(device) if graphs is None else graphs
     tol = e2e_tolerance(dtype)
     ids = encode_prompts(model_dir, prompts)
     base = dict(suite="e2e", op="greedy", dtype=dtype_name(dtype), atol=tol.logprob)
@@ -207,12 +238,25 @@ def run_e2e(
         got_lp, _ = step_logprobs(backend, ids, max_new_tokens, forced=ref_tokens)
         device.synchronize()
     except NotSupportedError as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else "not supported"
-        return [CaseResult(case=pid, status="not_supported", message=msg, **base) for pid, _ in prompts]
+        return _all(prompts, "not_supported", str(exc).splitlines()[0] if str(exc) else "not supported", base, graphs)
     except Exception as exc:  # reported per prompt; the other suites go on
-        lines = str(exc).strip().splitlines()
-        msg = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-        return [CaseResult(case=pid, status="error", message=msg, **base) for pid, _ in prompts]
+        return _all(prompts, "error", _error_line(exc), base, graphs)
+    results = _judged(prompts, ref_lp, got_lp, ref_tokens, tol, base)
+    if graphs:
+        graph_base = dict(base, op="greedy-graph")
+        try:
+            graph_lp, _ = step_logprobs(backend, ids, max_new_tokens, forced=ref_tokens, device=device)
+            device.synchronize()
+        except NotSupportedError as exc:
+            return results + _all(prompts, "not_supported", str(exc).splitlines()[0] if str(exc) else "not supported", graph_base, False)
+        except Exception as exc:
+            return results + _all(prompts, "error", _error_line(exc), graph_base, False)
+        eager_tokens = [row.argmax(-1).tolist() for row in got_lp]
+        results += _judged(prompts, got_lp, graph_lp, eager_tokens, tol, graph_base)
+    return results
+
+
+def _judged(prompts, ref_lp, got_lp, ref_tokens, tol: E2ETolerance, base: dict) -> list[CaseResult]:
     results = []
     for i, (pid, _) in enumerate(prompts):
         parity = compare_prompt(ref_lp[i], got_lp[i], ref_tokens[i])
@@ -223,3 +267,16 @@ def run_e2e(
             frac_out_of_tol=above, **base,
         ))
     return results
+
+
+def _all(prompts, status: str, message: str, base: dict, graphs: bool) -> list[CaseResult]:
+    """The same status for every prompt (and its graph case)."""
+    out = [CaseResult(case=pid, status=status, message=message, **base) for pid, _ in prompts]
+    if graphs:
+        out += [CaseResult(case=pid, status=status, message=message, **dict(base, op="greedy-graph")) for pid, _ in prompts]
+    return out
+
+
+def _error_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")

@@ -29,6 +29,8 @@ def add_options(parser: Any) -> None:
     group.addoption("--model", dest="deepinfer_model", default=None, help="model for the e2e tests (default: the bundled model)")
     group.addoption("--dtype", dest="deepinfer_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="dtype the backend runs the e2e model in")
+    group.addoption("--graphs", dest="deepinfer_graphs", default="auto", choices=["auto", "on", "off"],
+                    help="also replay the e2e decode steps from captured graphs (auto: where the engine captures by default)")
 
 
 def pytest_load_initial_conftests(early_config: Any, parser: Any, args: list[str]) -> None:

@@ -1,7 +1,8 @@
 """The conformance suites as pytest tests, one per case, for vendors whose CI lives in pytest.
 
 Run ``pytest --pyargs deepinfer_conformance --backend NAME [--kernels NAME]
-[--interpret] [--model DIR] [--dtype D]`` (options from ``pytest_plugin``).
+[--interpret] [--model DIR] [--dtype D] [--graphs auto|on|off]`` (options from
+``pytest_plugin``).
 Each op spec case, communicator case and e2e prompt is one test: ``fail`` and
 ``error`` fail it with the case's message, ``not_supported`` skips it, ``warn``
 passes it with a ``ConformanceWarning``. Each suite runs once, on first use,
@@ -37,6 +38,8 @@ OP_CASES = [
 ]
 COMM_CASES = [(c.op, f"world{w}_{c.name}", c.dtype) for w in WORLD_SIZES for c in comm_cases(w)]
 E2E_CASES = [pid for pid, _ in PROMPTS]
+#: the e2e checks: eager against the reference, and graph replay against eager
+E2E_OPS = ("greedy", "greedy-graph")
 
 
 def _option(config: pytest.Config, name: str, default: Any = None) -> Any:
@@ -97,9 +100,10 @@ class SuiteResults:
         def compute() -> list[CaseResult]:
             try:
                 dtype = resolve_dtype(_option(self.config, "dtype", "auto"), s.device)
-                return run_e2e(s.kernels, s.device, _option(self.config, "model"), dtype)
+                graphs = {"auto": None, "on": True, "off": False}[_option(self.config, "graphs", "auto")]
+                return run_e2e(s.kernels, s.device, _option(self.config, "model"), dtype, graphs=graphs)
             except DeepInferError as exc:
-                return [CaseResult("e2e", "greedy", pid, "", "error", message=str(exc)) for pid in E2E_CASES]
+                return [CaseResult("e2e", op, pid, "", "error", message=str(exc)) for op in E2E_OPS for pid in E2E_CASES]
 
         return self._run(("e2e", ""), compute)
 
@@ -132,7 +136,10 @@ def test_comm(conformance: SuiteResults, op: str, case: str, dtype: str) -> None
     check(conformance.comm().get((op, case, dtype)), f"{op} {case} [{dtype}]")
 
 
-@pytest.mark.parametrize("prompt", E2E_CASES)
-def test_e2e(conformance: SuiteResults, prompt: str) -> None:
-    found = [r for (_, case, _), r in conformance.e2e().items() if case == prompt]
-    check(found[0] if found else None, f"e2e {prompt}")
+@pytest.mark.parametrize(("op", "prompt"), [(o, p) for o in E2E_OPS for p in E2E_CASES], ids=[f"{o}-{p}" for o in E2E_OPS for p in E2E_CASES])
+def test_e2e(conformance: SuiteResults, op: str, prompt: str) -> None:
+    results = conformance.e2e()
+    found = [r for (o, case, _), r in results.items() if o == op and case == prompt]
+    if not found and op == "greedy-graph" and any(o == "greedy" for o, _, _ in results):
+        pytest.skip("graph mode is off for this device (pass --graphs on to check it)")
+    check(found[0] if found else None, f"e2e {op} {prompt}")

@@ -1,11 +1,9 @@
-"""The flattened variable-length batch one forward step runs on."""
+"""The host-side description of one forward step: which tokens of which sequences, and which logits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Sequence
-
-import torch
 
 from ..errors import DeepInferError
 
@@ -16,27 +14,24 @@ class Batch:
 
     Sequence ``i`` contributes ``query_lens[i]`` consecutive tokens at positions
     ``start_positions[i] ...``; its state lives in cache slot ``seq_slots[i]``.
-    Device tensors feed the kernels; the host tuples serve shape decisions and
-    cache bookkeeping without a device sync.
+    Everything is host data: ``inputs.build_step_inputs`` turns it into the
+    index tensors the forward reads, in one host-to-device copy.
     """
 
-    #: ``[T]`` int64 token ids
-    input_ids: torch.Tensor
-    #: ``[T]`` int64 absolute position of each token in its sequence
-    positions: torch.Tensor
-    #: ``[T]`` int64 cache slot of each token's sequence
-    token_slots: torch.Tensor
-    #: ``[B + 1]`` int64 offsets of each sequence's first token (cumulative query lengths)
-    query_start_loc: torch.Tensor
-    #: ``[L]`` int64 rows of the batch whose logits ``forward`` returns
-    logits_indices: torch.Tensor
+    #: per sequence, its token ids (negative: a placeholder filled on the device)
+    token_ids: tuple[tuple[int, ...], ...]
     seq_slots: tuple[int, ...]
     start_positions: tuple[int, ...]
-    query_lens: tuple[int, ...]
+    #: rows of the flattened batch whose logits the step returns
+    logits_indices: tuple[int, ...]
+
+    @property
+    def query_lens(self) -> tuple[int, ...]:
+        return tuple(len(t) for t in self.token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+        return sum(self.query_lens)
 
     @property
     def num_seqs(self) -> int:
@@ -47,6 +42,14 @@ class Batch:
         """The longest sequence length once this step's tokens are in (0 for an empty batch)."""
         return max((s + n for s, n in zip(self.start_positions, self.query_lens)), default=0)
 
+    @property
+    def query_start_loc(self) -> tuple[int, ...]:
+        """Offsets of each sequence's first token, and the total, in the flattened batch."""
+        out = [0]
+        for n in self.query_lens:
+            out.append(out[-1] + n)
+        return tuple(out)
+
     @classmethod
     def build(
         cls,
@@ -54,7 +57,6 @@ class Batch:
         seq_slots: Sequence[int],
         start_positions: Sequence[int],
         logits: Literal["last", "all"] | Sequence[Sequence[int]] = "last",
-        device: torch.device | str = "cpu",
     ) -> "Batch":
         """A batch from per-sequence token lists.
 
@@ -80,17 +82,9 @@ class Batch:
             rows = list(range(offsets[-1]))
         else:
             rows = [offsets[i] + j for i, js in enumerate(logits) for j in js if 0 <= j < lens[i]]
-        flat = [t for seq in token_ids for t in seq]
-        positions = [s + j for s, n in zip(start_positions, lens) for j in range(n)]
-        slots = [slot for slot, n in zip(seq_slots, lens) for _ in range(n)]
-        as_long = dict(dtype=torch.int64, device=device)
         return cls(
-            input_ids=torch.tensor(flat, **as_long),
-            positions=torch.tensor(positions, **as_long),
-            token_slots=torch.tensor(slots, **as_long),
-            query_start_loc=torch.tensor(offsets, **as_long),
-            logits_indices=torch.tensor(rows, **as_long),
+            token_ids=tuple(tuple(int(t) for t in seq) for seq in token_ids),
             seq_slots=tuple(int(s) for s in seq_slots),
             start_positions=tuple(int(s) for s in start_positions),
-            query_lens=tuple(lens),
+            logits_indices=tuple(rows),
         )

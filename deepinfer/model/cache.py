@@ -1,103 +1,191 @@
-"""The state the model keeps between steps, reached only through slot indices.
+"""The state the model keeps between steps: per-layer pools, and the host-side map into them.
 
-Every layer owns pools of rows; the model asks the cache which row holds what
-(``*_slots``) and reads and writes the rows itself through ``Kernels`` ops. Rows
-are addressed by (sequence slot, absolute position) or (sequence slot, entry
-number), never by "the last n tokens", so an implementation may page its pools
-with block tables, and rolling a sequence back only moves its length: rows past
-the new length are rewritten before anything reads them again.
+Two storage kinds per layer, sized by one ``CacheGeometry``:
+
+- per sequence slot, rings for the sliding-window K=V rows and the
+  compressors' per-token projections (state that depends on everything before
+  it, never shared): a position lives in ring row ``position mod ring``;
+- token blocks for the compressed entries and indexer keys (content-addressed
+  state, shared through the engine's prefix cache): a block of ``block_size``
+  tokens holds ``block_size / ratio`` entries of each compressing layer, and
+  each sequence's block table maps its entry numbers to blocks.
+
+The model reaches rows only through index tensors that the host computes from
+these tables (``inputs.py``), so nothing in the forward depends on where a
+sequence's state lives, and rolling a sequence back only moves its length: rows
+past the new length are rewritten before anything reads them again.
 
 What one forward step with a sequence at positions ``[s, e)`` touches, per layer
-type with compress ratio ``m`` (the rows an implementation must keep live and
-distinct):
+type with compress ratio ``m`` (the rows the rings keep live and distinct):
 
 - window rows (raw K=V) for positions ``[s − W + 1, e)``, ``W`` the sliding window;
 - compressor state rows for positions ``[m·⌊s/m⌋ − m·o, e)``, ``o`` = 1 for the
   overlapping compressor of compressed sparse attention, 0 for heavy compression;
 - compressed-entry rows (and indexer-key rows) ``0 … ⌊e/m⌋ − 1``.
+
+Two host-side settings per slot protect state the sequence did not compute:
+its *floor* (after a prefix hit the ring holds only positions from the replay
+start on; rows before it read as absent) and its *shared* tokens (entries of
+blocks shared with other sequences are never rewritten).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
+import numpy as np
 import torch
 
 from ..errors import DeepInferError
 from .batch import Batch
-from .config import CSA, SLIDING, ModelConfig
+from .cache_spec import CacheGeometry, LayerCacheSpec, block_size_for
+from .config import ModelConfig
 
 COMPRESSOR = "compressor"
 INDEXER = "indexer"
 
 
-class ModelCache(ABC):
-    """Per-layer state pools and the slot mapping into them.
+class ModelCache:
+    """Per-layer pools of ``num_slots`` sequence rings and ``num_blocks`` token blocks."""
 
-    Slot methods take same-shaped int64 tensors of sequence slots and
-    positions (or entry numbers) and return int64 rows of the same shape;
-    negative positions or entries, and negative sequence slots, map to ``-1``.
-    All layers of one layer type share one slot layout, so the model computes
-    slots once per layer type and step.
-    """
+    def __init__(
+        self,
+        geometry: CacheGeometry,
+        num_slots: int,
+        num_blocks: int,
+        max_blocks_per_seq: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.geometry = geometry
+        self.num_slots = num_slots
+        self.num_blocks = num_blocks
+        self.block_size = geometry.block_size
+        self.dtype = dtype
+        self.window_rows = geometry.window_rows
+        self._kv: list[torch.Tensor] = []
+        self._state: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._index: list[torch.Tensor] = []
+        zeros = dict(dtype=dtype, device=device)
+        for lt in geometry.layer_types:
+            spec = geometry.specs[lt]
+            self._kv.append(torch.zeros(num_slots * spec.window_rows + num_blocks * spec.entries_per_block, spec.head_dim, **zeros))
+            states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            if spec.compressed:
+                rows = num_slots * spec.state_rows
+                states[COMPRESSOR] = (torch.zeros(rows, spec.state_width, **zeros), torch.zeros(rows, spec.state_width, **zeros))
+                if spec.index_state_width:
+                    states[INDEXER] = (
+                        torch.zeros(rows, spec.index_state_width, **zeros),
+                        torch.zeros(rows, spec.index_state_width, **zeros),
+                    )
+            self._state.append(states)
+            self._index.append(torch.zeros(num_blocks * spec.entries_per_block if spec.index_head_dim else 0, max(spec.index_head_dim, 1), **zeros))
+        #: per slot: its block table (-1: no block), the first position of ring state it computed
+        #: itself, and how many leading tokens' entries it shares with other sequences
+        self.tables = np.full((num_slots, max_blocks_per_seq), -1, dtype=np.int64)
+        self.floors = np.zeros(num_slots, dtype=np.int64)
+        self.shared = np.zeros(num_slots, dtype=np.int64)
+
+    # ----- sequences -----
+
+    def set_sequence(self, slot: int, blocks: list[int], floor: int = 0, shared_tokens: int = 0) -> None:
+        """Install one sequence's block table, floor and shared-token count (host only, no device work)."""
+        if len(blocks) > self.tables.shape[1]:
+            raise DeepInferError(f"sequence slot {slot} has {len(blocks)} blocks but a table holds {self.tables.shape[1]}")
+        row = self.tables[slot]
+        row[: len(blocks)] = blocks
+        row[len(blocks) :] = -1
+        self.floors[slot] = floor
+        self.shared[slot] = shared_tokens
 
     def begin_forward(self, batch: Batch) -> None:
-        """Called once at the start of every forward with the step's batch."""
+        """Called with each step's batch before its inputs are built (bookkeeping caches check it here)."""
 
-    @abstractmethod
+    def fork(self, src: int, dst: int, block_copies: list[tuple[int, int]]) -> None:
+        """Make slot ``dst`` continue exactly where slot ``src`` is: copy its rings, and the
+        entries of each ``(source block, destination block)`` (a partly filled block the two
+        sequences will fill differently). Device copies only, in stream order."""
+        g = self.geometry
+        for i, lt in enumerate(g.layer_types):
+            spec = g.specs[lt]
+            _copy_rows(self._kv[i], src * spec.window_rows, dst * spec.window_rows, spec.window_rows)
+            for kv, gate in self._state[i].values():
+                for pool in (kv, gate):
+                    _copy_rows(pool, src * spec.state_rows, dst * spec.state_rows, spec.state_rows)
+            epb = spec.entries_per_block
+            base = self.num_slots * spec.window_rows
+            for a, b in block_copies:
+                if epb:
+                    _copy_rows(self._kv[i], base + a * epb, base + b * epb, epb)
+                    if spec.index_head_dim:
+                        _copy_rows(self._index[i], a * epb, b * epb, epb)
+
+    # ----- pools -----
+
     def kv_pool(self, layer: int) -> torch.Tensor:
         """``[N, head_dim]``: K=V rows of window tokens and of compressed entries."""
+        return self._kv[layer]
 
-    @abstractmethod
     def state_pool(self, layer: int, branch: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv, gate)`` ``[N, width]`` per-token compressor projections.
+        """``(kv, gate)`` per-token compressor projections of ``branch`` (``compressor`` or ``indexer``)."""
+        return self._state[layer][branch]
 
-        ``branch`` is ``"compressor"`` (width ``head_dim``, twice that for
-        compressed sparse attention) or ``"indexer"`` (``2·index_head_dim``,
-        compressed sparse attention only). Both branches share ``state_slots``.
-        """
-
-    @abstractmethod
     def index_pool(self, layer: int) -> torch.Tensor:
         """``[N, index_head_dim]`` indexer keys of compressed entries (compressed sparse attention)."""
+        return self._index[layer]
 
-    @abstractmethod
-    def window_slots(self, layer_type: str, seqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rows of ``kv_pool`` holding the raw K=V of the tokens at ``positions``."""
+    def pools(self) -> list[torch.Tensor]:
+        """Every tensor the cache allocated."""
+        out = list(self._kv) + [t for states in self._state for pair in states.values() for t in pair]
+        return out + [t for t in self._index if t.shape[0]]
 
-    @abstractmethod
-    def entry_slots(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """Rows of ``kv_pool`` holding compressed entries ``entries``."""
+    def pool_bytes(self) -> int:
+        """Bytes the pools hold."""
+        return sum(t.numel() * t.element_size() for t in self.pools())
 
-    @abstractmethod
-    def index_slots(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """Rows of ``index_pool`` holding the indexer keys of ``entries``."""
+    # ----- the host-side map: numpy int64 in, rows out, -1 where nothing is (or may be written) -----
 
-    @abstractmethod
-    def state_slots(self, layer_type: str, seqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rows of ``state_pool`` holding the compressor projections of the tokens at ``positions``."""
+    def window_rows_of(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rows of every layer's kv pool holding the raw K=V of the tokens at ``positions``."""
+        return self._ring(slots, positions, self.window_rows)
 
-    def entry_write_slots(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """Rows of ``kv_pool`` that newly emitted ``entries`` are written to; -1 keeps an entry as it is.
+    def state_rows_of(self, spec: LayerCacheSpec, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rows of the state pools holding the compressor projections of the tokens at ``positions``."""
+        return self._ring(slots, positions, spec.state_rows)
 
-        A cache that shares entries between sequences (prefix caching) returns -1
-        for entries it already holds, so recomputing tokens never overwrites them.
-        """
-        return self.entry_slots(layer_type, seqs, entries)
+    def entry_rows_of(self, spec: LayerCacheSpec, slots: np.ndarray, entries: np.ndarray, index: bool = False) -> np.ndarray:
+        """Rows of the kv pool (``index``: the index pool) holding compressed entries ``entries``."""
+        epb = spec.entries_per_block
+        ok = (entries >= 0) & (slots >= 0)
+        e = np.where(ok, entries, 0)
+        block = np.minimum(e // epb, self.tables.shape[1] - 1)
+        phys = self.tables[np.where(ok, slots, 0), block]
+        base = 0 if index else self.num_slots * spec.window_rows
+        return np.where(ok & (phys >= 0), base + phys * epb + e % epb, -1)
 
-    def index_write_slots(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """Rows of ``index_pool`` that new indexer keys are written to; -1 keeps a key as it is."""
-        return self.index_slots(layer_type, seqs, entries)
+    def entry_write_rows_of(self, spec: LayerCacheSpec, slots: np.ndarray, entries: np.ndarray, index: bool = False) -> np.ndarray:
+        """Rows new ``entries`` are written to; -1 for entries shared with other sequences (kept as they are)."""
+        rows = self.entry_rows_of(spec, slots, entries, index)
+        own = entries >= self.shared[np.maximum(slots, 0)] // spec.ratio
+        return np.where(own, rows, -1)
+
+    def _ring(self, slots: np.ndarray, positions: np.ndarray, rows_per_slot: int) -> np.ndarray:
+        ok = (slots >= 0) & (positions >= 0)
+        ok &= positions >= self.floors[np.maximum(slots, 0)]
+        return np.where(ok, slots * rows_per_slot + positions % max(rows_per_slot, 1), -1)
+
+
+def _copy_rows(pool: torch.Tensor, src: int, dst: int, n: int) -> None:
+    if n and src != dst:
+        pool[dst : dst + n].copy_(pool[src : src + n])
 
 
 class ContiguousCache(ModelCache):
-    """Each sequence slot owns fixed contiguous regions of every pool.
+    """A cache whose every sequence slot owns a fixed run of blocks, with its own length bookkeeping.
 
-    Window and compressor-state regions are rings: a position lives in row
-    ``position mod capacity``. Capacities are sized for steps of at most
-    ``max_step_tokens`` tokens per sequence (all of ``max_len`` when None), so
-    a sequence can be rolled back by up to ``max_step_tokens`` tokens
-    (rejected speculative tokens) with ``truncate``.
+    For running the model without the engine (tests, training, conformance).
+    Steps bring at most ``max_step_tokens`` tokens per sequence (all of
+    ``max_len`` when None), which also bounds how far ``truncate`` can roll a
+    sequence back (rejected speculative tokens).
     """
 
     def __init__(
@@ -112,42 +200,17 @@ class ContiguousCache(ModelCache):
     ) -> None:
         if max_seqs <= 0 or max_len <= 0:
             raise DeepInferError(f"ContiguousCache needs max_seqs > 0 and max_len > 0 (got {max_seqs}, {max_len})")
-        self.config = config
+        block = block_size_for(config, 16)
+        geometry = CacheGeometry.build(config, block, max_step_tokens or max_len, max_len)
+        per_seq = geometry.blocks_for(max_len)
+        super().__init__(geometry, max_seqs, max_seqs * per_seq, per_seq, dtype, device)
         self.max_seqs = max_seqs
         self.max_len = max_len
-        self.max_step_tokens = min(max_step_tokens or max_len, max_len)
-        step = self.max_step_tokens
-        self.window_capacity = min(config.sliding_window - 1 + step, max_len)
-        self._entries: dict[str, int] = {}
-        self._state_capacity: dict[str, int] = {}
-        for lt in set(config.layer_types):
-            m = config.compress_ratio(lt)
-            self._entries[lt] = max_len // m if m else 0
-            overlap = 2 if lt == CSA else 1
-            self._state_capacity[lt] = min(overlap * m - 1 + step, max_len) if m else 0
-        self._kv: list[torch.Tensor] = []
-        self._state: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        self._index: list[torch.Tensor] = []
-        hd = config.head_dim
-        for lt in config.layer_types:
-            rows = max_seqs * (self.window_capacity + self._entries[lt])
-            self._kv.append(torch.zeros(rows, hd, dtype=dtype, device=device))
-            states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-            index = torch.zeros(0, config.index_head_dim, dtype=dtype, device=device)
-            if lt != SLIDING:
-                srows = max_seqs * self._state_capacity[lt]
-                width = hd * (2 if lt == CSA else 1)
-                states[COMPRESSOR] = tuple(torch.zeros(srows, width, dtype=dtype, device=device) for _ in range(2))
-                if lt == CSA:
-                    iw = 2 * config.index_head_dim
-                    states[INDEXER] = tuple(torch.zeros(srows, iw, dtype=dtype, device=device) for _ in range(2))
-                    index = torch.zeros(max_seqs * self._entries[lt], config.index_head_dim, dtype=dtype, device=device)
-            self._state.append(states)
-            self._index.append(index)
+        self.max_step_tokens = geometry.max_step_tokens
+        for slot in range(max_seqs):
+            self.set_sequence(slot, list(range(slot * per_seq, (slot + 1) * per_seq)))
         self.lengths = [0] * max_seqs
         self._in_use = [False] * max_seqs
-
-    # ----- sequence bookkeeping -----
 
     def allocate(self) -> int:
         """Claim a free sequence slot (length 0)."""
@@ -196,37 +259,3 @@ class ContiguousCache(ModelCache):
     def _check_slot(self, slot: int) -> None:
         if not (0 <= slot < self.max_seqs and self._in_use[slot]):
             raise DeepInferError(f"sequence slot {slot} is not allocated in this cache; call allocate() first")
-
-    # ----- pools -----
-
-    def kv_pool(self, layer: int) -> torch.Tensor:
-        return self._kv[layer]
-
-    def state_pool(self, layer: int, branch: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._state[layer][branch]
-
-    def index_pool(self, layer: int) -> torch.Tensor:
-        return self._index[layer]
-
-    # ----- slot mapping -----
-
-    @staticmethod
-    def _rows(seqs: torch.Tensor, where: torch.Tensor, stride: int, offset: int, capacity: int | None) -> torch.Tensor:
-        local = where % capacity if capacity else where
-        rows = seqs * stride + offset + local
-        return torch.where((where >= 0) & (seqs >= 0), rows, torch.full_like(rows, -1))
-
-    def window_slots(self, layer_type: str, seqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        stride = self.window_capacity + self._entries[layer_type]
-        return self._rows(seqs, positions, stride, 0, self.window_capacity)
-
-    def entry_slots(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        stride = self.window_capacity + self._entries[layer_type]
-        return self._rows(seqs, entries, stride, self.window_capacity, None)
-
-    def index_slots(self, layer_type: str, seqs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        return self._rows(seqs, entries, self._entries[layer_type], 0, None)
-
-    def state_slots(self, layer_type: str, seqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cap = self._state_capacity[layer_type]
-        return self._rows(seqs, positions, cap, 0, cap)

@@ -1,9 +1,8 @@
-"""Per-step index tensors shared by every layer of one layer type.
+"""Per-step metadata shared by every layer of one layer type, derived on the device from the step's inputs.
 
-Fixed shapes: every token gets a window row list, and every token is a
-potential emitter of one compressed entry (the token that closes a window of
-``m`` positions emits it); rows that emit nothing carry ``-1`` slots, which the
-ops skip. This keeps the step free of data-dependent shapes.
+Only rotary angles and the per-token view of the per-sequence entry tables are
+computed here: device ops on tensors of static shape, nothing that reads a
+value back to the host.
 """
 
 from __future__ import annotations
@@ -12,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import Batch
-from .cache import ModelCache
-from .config import CSA, SLIDING, ModelConfig
+from .cache_spec import CacheGeometry
+from .config import SLIDING
+from .inputs import ForwardInputs
 from .rope import Rotary
 
 
@@ -48,55 +47,39 @@ class LayerMeta:
     visible_index: torch.Tensor | None = None
 
 
-def build_layer_meta(
-    layer_type: str,
-    batch: Batch,
-    cache: ModelCache,
-    config: ModelConfig,
-    rope_main: Rotary,
-    rope_compress: Rotary,
-) -> LayerMeta:
-    """Slots and rotary angles of one layer type for ``batch``."""
-    pos = batch.positions
-    seq = batch.token_slots
-    device = pos.device
-    rope = rope_main if layer_type == SLIDING else rope_compress
-    cos, sin = rope(pos)
-    w = config.sliding_window
-    win_pos = pos[:, None] - torch.arange(w, device=device)[None, :]
-    seq_w = seq[:, None].expand_as(win_pos)
-    meta = LayerMeta(
-        layer_type=layer_type,
-        cos=cos,
-        sin=sin,
-        window_write=cache.window_slots(layer_type, seq, pos),
-        window_rows=cache.window_slots(layer_type, seq_w, win_pos),
-    )
-    if layer_type == SLIDING:
-        return meta
+def _per_token(table: torch.Tensor, token_seq: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """``[T, N]``: each token's sequence row of ``table`` ``[B, N]``, -1 past its visible count."""
+    n = table.shape[1]
+    seen = torch.arange(n, device=table.device)[None, :] < visible[:, None]
+    return torch.where(seen, table[token_seq], -1)
 
-    m = config.compress_ratio(layer_type)
-    meta.ratio = m
-    meta.state_write = cache.state_slots(layer_type, seq, pos)
-    closes = (pos + 1) % m == 0
-    entry = torch.where(closes, (pos + 1) // m - 1, torch.full_like(pos, -1))
-    first = pos - m + 1
-    src = first[:, None] + torch.arange(m, device=device)[None, :]
-    src = torch.where(closes[:, None], src, torch.full_like(src, -1))
-    seq_m = seq[:, None].expand_as(src)
-    meta.emit_rows = cache.state_slots(layer_type, seq_m, src)
-    if layer_type == CSA:
-        prev = torch.where(src >= m, src - m, torch.full_like(src, -1))
-        meta.emit_prev_rows = cache.state_slots(layer_type, seq_m, prev)
-    meta.emit_kv_slot = cache.entry_write_slots(layer_type, seq, entry)
-    meta.entry_cos, meta.entry_sin = rope_compress(first.clamp(min=0))
 
-    n_entries = batch.max_context_len // m
-    entries = torch.arange(n_entries, device=device)[None, :].expand(pos.shape[0], n_entries)
-    visible = torch.where(entries < ((pos + 1) // m)[:, None], entries, torch.full_like(entries, -1))
-    seq_n = seq[:, None].expand_as(visible)
-    meta.visible_kv = cache.entry_slots(layer_type, seq_n, visible)
-    if layer_type == CSA:
-        meta.emit_index_slot = cache.index_write_slots(layer_type, seq, entry)
-        meta.visible_index = cache.index_slots(layer_type, seq_n, visible)
-    return meta
+def build_layer_metas(inputs: ForwardInputs, geometry: CacheGeometry, rope_main: Rotary, rope_compress: Rotary) -> dict[str, LayerMeta]:
+    """One ``LayerMeta`` per layer type present."""
+    pos = inputs.positions
+    main = compress = None
+    metas: dict[str, LayerMeta] = {}
+    for lt, spec in geometry.specs.items():
+        if lt == SLIDING:
+            main = main or rope_main(pos)
+            cos, sin = main
+        else:
+            compress = compress or rope_compress(pos)
+            cos, sin = compress
+        meta = LayerMeta(lt, cos, sin, inputs.window_write, inputs.window_rows)
+        metas[lt] = meta
+        if not spec.compressed:
+            continue
+        li = inputs.layers[lt]
+        m = spec.ratio
+        meta.ratio = m
+        meta.state_write = li.state_write
+        meta.emit_rows = li.emit_rows
+        meta.emit_prev_rows = li.emit_prev_rows
+        meta.emit_kv_slot = li.emit_kv
+        meta.emit_index_slot = li.emit_index
+        meta.entry_cos, meta.entry_sin = rope_compress((pos - m + 1).clamp(min=0))
+        meta.visible_kv = _per_token(li.seq_kv, inputs.token_seq, li.visible)
+        if li.seq_index is not None:
+            meta.visible_index = _per_token(li.seq_index, inputs.token_seq, li.visible)
+    return metas

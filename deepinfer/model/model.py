@@ -12,8 +12,9 @@ from ..errors import ConfigError
 from .batch import Batch
 from .cache import ModelCache
 from .config import ModelConfig
+from .inputs import ForwardInputs, step_inputs
 from .layer import DecoderLayer
-from .metadata import LayerMeta, build_layer_meta
+from .metadata import build_layer_metas
 from .params import ParamTree
 from .rope import Rotary
 
@@ -84,34 +85,33 @@ class DeepseekV4Model(ParamTree):
         model.extra_tensors = load_weights(model.named_parameters(), model_dir, keep_prefixes=("mtp.",))
         return model
 
-    def layer_metadata(self, batch: Batch, cache: ModelCache) -> dict[str, LayerMeta]:
-        """Slots and rotary angles for each layer type present, computed once per step."""
-        return {
-            lt: build_layer_meta(lt, batch, cache, self.config, self.rope_main, self.rope_compress)
-            for lt in dict.fromkeys(self.config.layer_types)
-        }
-
-    @torch.inference_mode()
-    def forward(self, batch: Batch, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
-        """Run one step: write every layer's state for the batch's tokens into
-        ``cache`` and return ``[len(batch.logits_indices), vocab]`` logits in the
-        model dtype. For each layer index in ``hidden_layers`` (the DSpark draft's
-        target layers), ``self.hidden_states[i]`` is set to ``[T, D]``: the mean of
-        that layer's output streams for every batch token."""
+    def forward(self, inputs: ForwardInputs, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """Run one step: write every layer's state for the step's tokens into
+        ``cache`` and return ``[L, vocab]`` logits (``inputs.logits_indices``) in
+        the model dtype. Reads only device tensors of static shape and never
+        waits for the host, so it can be captured as a graph (callers run it
+        without autograd: ``torch.no_grad`` or ``torch.inference_mode``, the
+        latter not under ``torch.compile``). For each layer
+        index in ``hidden_layers`` (the DSpark draft's target layers),
+        ``self.hidden_states[i]`` is set to ``[T, D]``: the mean of that
+        layer's output streams for every token."""
         k = self.kernels
         c = self.config
-        cache.begin_forward(batch)
-        metas = self.layer_metadata(batch, cache)
-        x = self.embed[batch.input_ids]
+        metas = build_layer_metas(inputs, cache.geometry, self.rope_main, self.rope_compress)
+        x = self.embed[inputs.input_ids]
         streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
         self.hidden_states = {}
         for layer in self.layers:
-            streams = layer(k, streams, batch.input_ids, metas[layer.layer_type], cache)
+            streams = layer(k, streams, inputs.input_ids, metas[layer.layer_type], cache)
             if layer.index in hidden_layers:
                 self.hidden_states[layer.index] = streams.mean(dim=1)
-        rows = streams[batch.logits_indices]
+        rows = streams[inputs.logits_indices]
         h = k.mhc_head(rows, self.hc_fn, self.hc_base, self.hc_scale, c.rms_norm_eps, c.hc_eps)
         h = k.rms_norm(h, self.norm, c.rms_norm_eps)
         return h @ self.head.t()
 
-    __call__ = forward
+    @torch.inference_mode()
+    def __call__(self, batch: Batch, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """One eager step from a host ``Batch`` (its inputs built unpadded and copied to the device)."""
+        cache.begin_forward(batch)
+        return self.forward(step_inputs(batch, cache, self.device), cache, hidden_layers)

@@ -2,7 +2,7 @@
 
 from .backend import Backend
 from .communicator import Communicator, DispatchHandle, DispatchResult
-from .device import Device, DeviceCapabilities, HostEvent, HostStream, host_stream_context
+from .device import Device, DeviceCapabilities, HostEvent, HostStream, host_stream_context, record_stream_graph
 from .errors import NotSupportedError
 from .kernels import Kernels
 from .version import INTERFACE_VERSION
@@ -20,4 +20,5 @@ __all__ = [
     "Kernels",
     "NotSupportedError",
     "host_stream_context",
+    "record_stream_graph",
 ]

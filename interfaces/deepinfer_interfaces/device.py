@@ -2,7 +2,8 @@
 
 Modelled on ``torch.accelerator`` and kept small: identity, capabilities,
 availability, device selection, streams and events, synchronisation, memory and
-seeding, and the name of the torch.distributed backend that connects devices.
+seeding, graph capture, and the name of the torch.distributed backend that
+connects devices.
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator, TypeVar
 
 import torch
+
+from .errors import NotSupportedError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -23,7 +28,11 @@ class DeviceCapabilities:
     dtypes: tuple[torch.dtype, ...]
     fp8: bool = False
     fp4: bool = False
+    #: ``Device.capture_graph`` works (a captured callable replays without the host re-issuing its ops)
     graph_capture: bool = False
+    #: whether the engine captures decode graphs unless told otherwise: False where capture costs more
+    #: than replay saves in a typical run (compiling on the host CPU)
+    graph_by_default: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,6 +99,26 @@ class Device(ABC):
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
         """Context manager making ``stream`` current for the enclosed work."""
 
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor that copies to this device without staging (pinned where the device is not the host)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.type != "cpu")
+
+    def new_graph_pool(self) -> Any:
+        """A memory pool handle that captures can share (graphs replayed one at a time reuse its memory)."""
+        return None
+
+    def capture_graph(self, fn: Callable[[], T], pool: Any = None) -> Callable[[], T]:
+        """Capture ``fn`` and return a replay callable that returns what ``fn`` returns.
+
+        ``fn`` takes no arguments: it reads only tensors whose storage stays put
+        (static input buffers, parameters, cache pools), so a replay sees
+        whatever those buffers hold at that moment. ``fn`` must not synchronise
+        with the host. Outputs may be the same tensors at every replay: copy
+        what must survive the next one. Devices without graph capture raise
+        ``NotSupportedError`` (``capabilities().graph_capture`` is False).
+        """
+        raise NotSupportedError(f"device {self.type} has no graph capture; run eager (enforce_eager=True)")
+
     def describe(self) -> str:
         """One line naming the device, for logs."""
         return f"{self.type}:{self.index} ({self.capabilities().name})"
@@ -129,3 +158,28 @@ def _null_context() -> Iterator[None]:
 def host_stream_context(stream: Any) -> contextlib.AbstractContextManager:
     """Stream context for host-synchronous devices: a no-op."""
     return _null_context()
+
+
+def record_stream_graph(ns: Any, graph_cls: type, fn: Callable[[], T], pool: Any = None, warmup: int = 2) -> Callable[[], T]:
+    """Capture ``fn`` as a stream graph through a ``torch.cuda``-shaped namespace (``torch.cuda``, ``torch_npu.npu``).
+
+    ``fn`` runs ``warmup`` times on a side stream first (lazy initialisation,
+    autotuning, allocator growth stay out of the graph), then once under
+    capture into ``pool``. The replay callable returns the tensors the captured
+    run returned; each replay overwrites them.
+    """
+    side = ns.Stream()
+    side.wait_stream(ns.current_stream())
+    with ns.stream(side):
+        for _ in range(warmup):
+            fn()
+    ns.current_stream().wait_stream(side)
+    graph = graph_cls()
+    with ns.graph(graph, pool=pool):
+        out = fn()
+
+    def replay() -> T:
+        graph.replay()
+        return out
+
+    return replay

@@ -19,9 +19,9 @@ def greedy_alone(model: DeepseekV4Model, prompt: list[int], max_tokens: int) -> 
     cache = ContiguousCache(model.config, 1, len(prompt) + max_tokens + 1, dtype=model.dtype)
     slot = cache.allocate()
     out: list[int] = []
-    logits = model.forward(Batch.build([prompt], [slot], [0]), cache)
+    logits = model(Batch.build([prompt], [slot], [0]), cache)
     for _ in range(max_tokens):
         tok = int(logits[-1].float().argmax())
         out.append(tok)
-        logits = model.forward(Batch.build([[tok]], [slot], [len(prompt) + len(out) - 1]), cache)
+        logits = model(Batch.build([[tok]], [slot], [len(prompt) + len(out) - 1]), cache)
     return out

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
-from deepinfer_interfaces import Device, DeviceCapabilities, NotSupportedError
+from deepinfer_interfaces import Device, DeviceCapabilities, NotSupportedError, record_stream_graph
 
 from .npu import availability, npu_device_count, npu_namespace
+
+T = TypeVar("T")
 
 
 def soc_generation(soc_name: str) -> str:
@@ -79,7 +81,7 @@ class AscendDevice(Device):
         if feats["fp8"]:
             dtypes.append(torch.float8_e4m3fn)
         return DeviceCapabilities(
-            name=soc, dtypes=tuple(dtypes), fp8=feats["fp8"], fp4=feats["mxfp4"], graph_capture=True,
+            name=soc, dtypes=tuple(dtypes), fp8=feats["fp8"], fp4=feats["mxfp4"], graph_capture=True, graph_by_default=True,
             extra={"generation": gen, "hif8": feats["hif8"], "vector_cores": vector_core_count(self.index)},
         )
 
@@ -102,6 +104,14 @@ class AscendDevice(Device):
 
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
         return _npu().stream(stream)
+
+    def new_graph_pool(self) -> Any:
+        return _npu().graph_pool_handle()
+
+    def capture_graph(self, fn: Callable[[], T], pool: Any = None) -> Callable[[], T]:
+        """An NPU graph (``torch_npu.npu.NPUGraph``) of ``fn``, warmed up on a side stream, captured into ``pool``."""
+        npu = _npu()
+        return record_stream_graph(npu, npu.NPUGraph, fn, pool)
 
 
 #: vector cores assumed when neither Triton-Ascend nor torch_npu reports a count (an A2/A3 die has 40-48)

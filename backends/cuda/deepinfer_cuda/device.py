@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
-from deepinfer_interfaces import Device, DeviceCapabilities
+from deepinfer_interfaces import Device, DeviceCapabilities, record_stream_graph
+
+T = TypeVar("T")
 
 
 def features_for_capability(major: int, minor: int) -> dict[str, bool]:
@@ -46,6 +48,7 @@ class CUDADevice(Device):
             fp8=feats["fp8"],
             fp4=feats["fp4"],
             graph_capture=True,
+            graph_by_default=True,
             extra={"capability": f"sm_{major}{minor}"},
         )
 
@@ -67,3 +70,10 @@ class CUDADevice(Device):
 
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream)
+
+    def new_graph_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture_graph(self, fn: Callable[[], T], pool: Any = None) -> Callable[[], T]:
+        """A CUDA graph of ``fn`` (warmed up on a side stream, captured into ``pool``)."""
+        return record_stream_graph(torch.cuda, torch.cuda.CUDAGraph, fn, pool)

@@ -17,8 +17,21 @@ class CacheOps:
         whose slot is ``-1`` are skipped (a token whose state needs no storage, or
         a row of a fixed-size batch that emits nothing). Slots other than ``-1``
         are distinct; what a repeated slot holds afterwards is unspecified.
+        Nothing here waits for the device (the call can be captured in a graph).
         """
-        keep = slots >= 0
-        if not bool(keep.any()):
+        if slots.numel() == 0 or pool.shape[0] == 0:
             return
-        pool[slots[keep]] = values[keep].to(pool.dtype)
+        keep = slots >= 0
+        # Skipped rows are redirected to the first kept row, carrying that row's value, so every write
+        # to a row agrees and no boolean indexing (a data-dependent shape) is needed. With nothing
+        # kept they rewrite row 0 with its own content.
+        first = keep.to(torch.int8).argmax().view(1)
+        target = slots.index_select(0, first).clamp(min=0)
+        fill = torch.where(
+            keep.index_select(0, first).view(1, *([1] * (values.dim() - 1))),
+            values.index_select(0, first).to(pool.dtype),
+            pool.index_select(0, target),
+        )
+        rows = torch.where(keep, slots, target)
+        kept = keep.view(-1, *([1] * (values.dim() - 1)))
+        pool.index_copy_(0, rows, torch.where(kept, values.to(pool.dtype), fill))

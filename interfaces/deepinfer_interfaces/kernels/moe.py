@@ -115,20 +115,75 @@ class MoEOps:
 
             out[t] = Σ_k w[t,k] · w2[e] · swiglu(w13[e, :I] · x[t], w13[e, I:] · x[t], limit),  e = ids[t,k]
 
-        Computed in fp32 (fp64 for fp64 x), returned in ``x.dtype``.
+        Computed in fp32 (fp64 for fp64 x), returned in ``x.dtype``. Nothing
+        here waits for the device: small problems run every expert on every
+        token and keep the chosen results, larger ones run the (token, expert)
+        pairs grouped by expert in fixed-size tiles.
         """
-        acc = acc_dtype(x)
         t, d = x.shape
-        num_experts, two_i, _ = w13.shape
-        out = torch.zeros(t, d, dtype=acc, device=x.device)
-        if t == 0:
-            return out.to(x.dtype)
+        num_experts = w13.shape[0]
+        if t == 0 or num_experts == 0 or topk_ids.shape[1] == 0:
+            return x.new_zeros(t, d)
         valid = (topk_ids >= 0) & (topk_ids < num_experts)
-        xf = x.to(acc)
-        for e in torch.unique(topk_ids[valid]).tolist():
-            tok, slot = torch.nonzero(valid & (topk_ids == e), as_tuple=True)
-            h = xf[tok] @ w13[e].to(acc).t()
-            act = clamped_swiglu(h[:, : two_i // 2], h[:, two_i // 2 :], limit)
-            y = act @ w2[e].to(acc).t()
-            out.index_add_(0, tok, y * topk_weights[tok, slot].to(acc)[:, None])
+        if t * num_experts <= _DENSE_ROWS:
+            out = _dense_experts(x, topk_ids, topk_weights, valid, w13, w2, limit)
+        else:
+            out = _grouped_experts(x, topk_ids, topk_weights, valid, w13, w2, limit)
         return out.to(x.dtype)
+
+
+#: token x expert rows up to which running every expert on every token is cheaper than grouping
+_DENSE_ROWS = 1024
+#: (token, expert) pairs per tile of the grouped path
+_TILE = 64
+
+
+def _dense_experts(x, ids, weights, valid, w13, w2, limit) -> torch.Tensor:
+    """Every expert on every token; each token keeps its chosen experts' outputs, weighted."""
+    acc = acc_dtype(x)
+    t, d = x.shape
+    e, two_i, _ = w13.shape
+    safe = torch.where(valid, ids, 0)
+    route = torch.zeros(t, e, dtype=acc, device=x.device).scatter_add_(1, safe, torch.where(valid, weights.to(acc), 0))
+    chosen = torch.zeros(t, e, dtype=torch.int32, device=x.device).scatter_add_(1, safe, valid.to(torch.int32)) > 0
+    h = (x.to(acc) @ w13.reshape(e * two_i, d).to(acc).t()).view(t, e, two_i)
+    act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit)
+    act = torch.where(chosen[..., None], act * route[..., None], 0)
+    return torch.bmm(act.transpose(0, 1), w2.to(acc).transpose(1, 2)).sum(0)
+
+
+def _grouped_experts(x, ids, weights, valid, w13, w2, limit) -> torch.Tensor:
+    """The pairs sorted by expert, each expert's run padded to whole tiles, one batched matmul per projection.
+
+    The tile count is bounded by ``pairs / tile + experts`` whatever the routing,
+    so every shape is known before the routing is.
+    """
+    acc = acc_dtype(x)
+    t, d = x.shape
+    e, two_i, _ = w13.shape
+    k = ids.shape[1]
+    pairs = t * k
+    tile = min(_TILE, max(1, pairs // e))
+    expert = torch.where(valid, ids, e).flatten()  # skipped pairs sort after every expert
+    order = torch.argsort(expert, stable=True)
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device).scatter_add_(0, expert, torch.ones_like(expert))[:e]
+    padded = (counts + tile - 1) // tile * tile
+    run_start = torch.cumsum(counts, 0) - counts
+    tile_start = torch.cumsum(padded, 0) - padded
+    sorted_expert = expert[order]
+    own = sorted_expert.clamp(max=e - 1)
+    rank = torch.arange(pairs, device=x.device) - run_start[own]
+    tiles = (pairs + e * (tile - 1)) // tile + 1
+    rows = tiles * tile
+    dest = torch.where(sorted_expert < e, tile_start[own] + rank, rows)  # skipped pairs land past the end
+    pair_at = torch.full((rows + 1,), -1, dtype=torch.int64, device=x.device).index_copy_(0, dest, order)[:rows]
+    tile_expert = torch.bucketize(torch.arange(tiles, device=x.device) * tile, torch.cumsum(padded, 0), right=True).clamp(max=e - 1)
+    used = pair_at >= 0
+    token = torch.where(used, pair_at // k, 0)
+    xs = x.to(acc)[token].view(tiles, tile, d)
+    h = torch.bmm(xs, w13[tile_expert].to(acc).transpose(1, 2))
+    act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit)
+    w = torch.where(used, weights.to(acc).flatten()[pair_at.clamp(min=0)], 0)
+    act = torch.where(used.view(tiles, tile, 1), act * w.view(tiles, tile, 1), 0)
+    y = torch.bmm(act, w2[tile_expert].to(acc).transpose(1, 2)).view(rows, d)
+    return torch.zeros(t, d, dtype=acc, device=x.device).index_add_(0, token, y)

@@ -1,0 +1,128 @@
+"""Decode steps captured as device graphs, one per (padded batch size, context bucket).
+
+A decode step of ``B`` sequences runs the graph of the smallest capture size
+``≥ B`` and the smallest context bucket reaching its longest sequence: the
+batch is padded to that size (padding tokens read and write nothing) and every
+sequence's compressed-entry list to ``bucket / ratio`` entries. Each graph
+owns static input buffers (a host staging buffer and its device copy); a step
+fills the host buffer, copies it in one transfer and replays. Buckets double
+from 256 tokens to ``max_model_len``, so padding at most doubles the entry
+lists a step reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from deepinfer_interfaces import Device
+
+from .model.batch import Batch
+from .model.cache import ModelCache
+from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
+from .model.model import DeepseekV4Model
+
+log = logging.getLogger("deepinfer")
+
+#: the smallest context bucket, in tokens
+MIN_BUCKET = 256
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's shape: 1, 2, 4, then every multiple of 8, up to (and including) ``max_num_seqs``."""
+    sizes = [s for s in [1, 2, 4, *range(8, max_num_seqs + 1, 8)] if s <= max_num_seqs]
+    return sizes if sizes and sizes[-1] == max_num_seqs else [*sizes, max_num_seqs]
+
+
+def context_buckets(block_size: int, max_model_len: int) -> list[int]:
+    """Context lengths a graph is captured for: whole blocks, doubling, the last covering ``max_model_len``."""
+    top = -(-max_model_len // block_size) * block_size
+    b = -(-min(MIN_BUCKET, top) // block_size) * block_size
+    out = []
+    while b < top:
+        out.append(b)
+        b *= 2
+    return [*out, top]
+
+
+@dataclass
+class DecodeGraph:
+    """One captured decode step and its static inputs."""
+
+    size: int
+    context: int
+    layout: StepLayout
+    #: host staging buffer (numpy view of ``host_tensor``) and the device buffer the graph reads
+    host: np.ndarray
+    host_tensor: torch.Tensor
+    inputs: ForwardInputs
+    replay: Callable[[], torch.Tensor] | None = None
+
+    def load(self, batch: Batch, cache: ModelCache, placeholders: np.ndarray | None = None) -> None:
+        """Write ``batch``'s indices into the static buffers (one host-to-device copy, queued)."""
+        fill_step_inputs(self.host, self.layout, batch, cache, placeholders)
+        self.inputs.buffer.copy_(self.host_tensor, non_blocking=True)
+
+
+@dataclass
+class CaptureReport:
+    graphs: int
+    seconds: float
+    bytes: int
+
+
+class DecodeGraphs:
+    """The graphs of one model and cache, and which one a decode step runs."""
+
+    def __init__(self, model: DeepseekV4Model, cache: ModelCache, device: Device, sizes: list[int], max_model_len: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.sizes = sorted(set(sizes))
+        self.buckets = context_buckets(cache.block_size, max_model_len)
+        self.graphs: dict[tuple[int, int], DecodeGraph] = {}
+
+    def find(self, num_seqs: int, context_len: int) -> DecodeGraph | None:
+        """The graph a decode step of ``num_seqs`` sequences reaching ``context_len`` tokens replays, if any."""
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        j = bisect.bisect_left(self.buckets, context_len)
+        if i == len(self.sizes) or j == len(self.buckets):
+            return None
+        return self.graphs.get((self.sizes[i], self.buckets[j]))
+
+    def capture(self, progress: Callable[[int, int], None] | None = None) -> CaptureReport:
+        """Capture every (size, bucket), largest first so smaller graphs reuse the pool's memory."""
+        geometry = self.cache.geometry
+        pool = self.device.new_graph_pool()
+        keys = [(s, b) for s in reversed(self.sizes) for b in reversed(self.buckets)]
+        free_before, _ = self.device.memory_info()
+        t0 = time.perf_counter()
+        empty = Batch((), (), (), ())
+        for done, (size, bucket) in enumerate(keys):
+            layout = StepLayout(StepShape.padded(size, size, size, bucket, geometry), geometry)
+            host_tensor = self.device.host_buffer(layout.numel, torch.int64)
+            host = host_tensor.numpy()
+            fill_step_inputs(host, layout, empty, self.cache)  # all padding: the warm-up runs read and write nothing
+            buffer = host_tensor.to(self.device.torch_device, copy=True)
+            graph = DecodeGraph(size, bucket, layout, host, host_tensor, layout.forward_inputs(buffer))
+            graph.replay = self.device.capture_graph(self._step_fn(graph.inputs), pool)
+            self.graphs[(size, bucket)] = graph
+            if progress is not None:
+                progress(done + 1, len(keys))
+        self.device.synchronize()
+        free_after, _ = self.device.memory_info()
+        return CaptureReport(len(keys), time.perf_counter() - t0, max(0, free_before - free_after))
+
+    def _step_fn(self, inputs: ForwardInputs) -> Callable[[], torch.Tensor]:
+        model, cache = self.model, self.cache
+
+        def step() -> torch.Tensor:
+            return model.forward(inputs, cache)
+
+        return step
