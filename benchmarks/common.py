@@ -27,3 +27,16 @@ def model_dir(arg: str | None, variant: str = "mixed") -> Path:
 def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def add_json_flag(ap) -> None:
+    """``--json``: also print every figure as one JSON object, the output's last line."""
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
+
+
+def emit_json(enabled: bool, figures: dict) -> None:
+    """Print ``figures`` as the last line when ``--json`` was given."""
+    if enabled:
+        import json
+
+        print(json.dumps(figures, default=float))

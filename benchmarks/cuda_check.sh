@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One command for a machine with an NVIDIA GPU: conformance of the CUDA backend,
-# the kernel microbenchmark, and greedy generation on --backend cuda vs --backend cpu.
+# One command for a machine with an NVIDIA GPU: conformance of the CUDA backend (its
+# e2e suite replays CUDA graphs against eager), the kernel microbenchmark, decode
+# steps with and without CUDA graphs, and greedy generation on --backend cuda vs cpu.
 #
 #   benchmarks/cuda_check.sh [--quick] [--model DIR]
 #
@@ -48,8 +49,8 @@ fi
 STATUS=0
 mkdir -p reports
 
-banner "conformance: deepinfer conformance --backend cuda"
-.venv/bin/deepinfer conformance --backend cuda --report reports/cuda-conformance.json
+banner "conformance: deepinfer conformance --backend cuda --suite ops,e2e"
+.venv/bin/deepinfer conformance --backend cuda --suite ops,e2e --report reports/cuda-conformance.json
 CONF=$?
 if [ $CONF -eq 0 ]; then CONF_MSG="PASS"; else CONF_MSG="FAIL (exit $CONF)"; STATUS=1; fi
 
@@ -57,6 +58,11 @@ banner "microbenchmark: Triton kernels vs the torch reference"
 "$PY" benchmarks/cuda_kernels.py $QUICK
 BENCH=$?
 if [ $BENCH -eq 0 ]; then BENCH_MSG="ran"; else BENCH_MSG="ERROR (exit $BENCH)"; fi
+
+banner "decode steps: CUDA graphs vs eager (step time, launches per step by layer type)"
+"$PY" benchmarks/decode_steps.py --backend cuda --dtype bfloat16 ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} --json
+DECODE=$?
+if [ $DECODE -eq 0 ]; then DECODE_MSG="ran"; else DECODE_MSG="ERROR (exit $DECODE)"; fi
 
 banner "end to end: greedy generation, --backend cuda vs --backend cpu"
 "$PY" benchmarks/cuda_e2e.py ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"}
@@ -66,5 +72,6 @@ if [ $E2E -eq 0 ]; then E2E_MSG="tokens match"; else E2E_MSG="FAIL (exit $E2E)";
 banner "summary"
 echo "conformance:   $CONF_MSG   (report: reports/cuda-conformance.json)"
 echo "benchmark:     $BENCH_MSG"
+echo "decode steps:  $DECODE_MSG"
 echo "end to end:    $E2E_MSG"
 exit $STATUS

@@ -39,13 +39,14 @@ def _tiny_checkpoint(directory: Path) -> tuple[Path, list[list[int]]]:
     return ckpt, prompts
 
 
-def _generate(model: str, prompts, backend: str, dtype: str, max_tokens: int, interpret: bool, cache_bytes: int | None):
+def _generate(model: str, prompts, backend: str, dtype: str, max_tokens: int, interpret: bool, cache_bytes: int | None,
+              enforce_eager: bool | None = None):
     from deepinfer.llm import LLM
     from deepinfer.sampling_params import SamplingParams
 
     llm = LLM(
         model=model, backend=backend, dtype=dtype, interpret=interpret,
-        max_model_len=512, max_num_seqs=len(prompts), kv_cache_memory=cache_bytes,
+        max_model_len=512, max_num_seqs=len(prompts), kv_cache_memory=cache_bytes, enforce_eager=enforce_eager,
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     start = time.perf_counter()
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", action="append", help="prompt text (repeatable; default: three token-id prompts)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--interpret", action="store_true", help="run the Triton kernels through Triton's CPU interpreter")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     args = parser.parse_args(argv)
     if args.interpret:
         # before anything (transformers, torch) imports Triton
@@ -76,11 +78,13 @@ def main(argv: list[str] | None = None) -> int:
             prompts = args.prompt or prompts
         # a small cache for the tiny model (the interpreter copies every pool at each launch); the engine's default otherwise
         cache_bytes = None if args.model else 8 << 20
+        # the CUDA run captures decode graphs (the device's default); an eager run checks them
         cuda_tokens, cuda_lp, cuda_s = _generate(model, prompts, "cuda", "float32", args.max_tokens, args.interpret, cache_bytes)
         cpu_tokens, cpu_lp, cpu_s = _generate(model, prompts, "cpu", "float32", args.max_tokens, False, cache_bytes)
-        bf16_tokens = None
+        bf16_tokens = eager_tokens = None
         if not args.interpret:
             bf16_tokens, _, _ = _generate(model, prompts, "cuda", "bfloat16", args.max_tokens, False, cache_bytes)
+            eager_tokens, _, eager_s = _generate(model, prompts, "cuda", "float32", args.max_tokens, False, cache_bytes, enforce_eager=True)
 
     print(f"model: {args.model or 'tiny random DeepSeek-V4 (transformers)'}; {len(prompts)} prompts, {args.max_tokens} greedy tokens each")
     print(f"time: cuda {cuda_s:.2f}s, cpu {cpu_s:.2f}s")
@@ -97,7 +101,15 @@ def main(argv: list[str] | None = None) -> int:
         agree = sum(x == y for a, b in zip(bf16_tokens, cpu_tokens) for x, y in zip(a, b))
         total = sum(len(b) for b in cpu_tokens)
         print(f"bf16 cuda vs fp32 cpu (information only; rounding may flip near-ties): {agree}/{total} tokens agree")
-    return 0 if same else 1
+    graphs_match = eager_tokens is None or eager_tokens == cuda_tokens
+    if eager_tokens is not None:
+        print(f"fp32 cuda graph mode vs eager: {'MATCH' if graphs_match else 'MISMATCH'} (eager {eager_s:.2f}s)")
+    if args.json:
+        import json
+
+        print(json.dumps({"benchmark": "cuda_e2e", "match": same, "graphs_match": graphs_match, "cuda_seconds": cuda_s,
+                          "cpu_seconds": cpu_s, "logprob_max_diff": lp_diff}))
+    return 0 if same and graphs_match else 1
 
 
 if __name__ == "__main__":

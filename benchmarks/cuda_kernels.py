@@ -16,6 +16,7 @@ Runs only where a CUDA device and Triton exist; elsewhere it says why and exits 
 from __future__ import annotations
 
 import argparse
+import json
 import importlib.util
 import os
 import sys
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--ops", default=",".join(BENCHES), help=f"comma-separated among {', '.join(BENCHES)}")
     parser.add_argument("--quick", action="store_true", help="two or three shapes per op")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     args = parser.parse_args(argv)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in BENCHES]
@@ -243,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     for op in ops:
         rows += BENCHES[op](DTYPES[args.dtype], args.quick)
     _print(rows, args.dtype)
+    if args.json:
+        print(json.dumps({"benchmark": "cuda_kernels", "dtype": args.dtype, "results": [
+            {"op": r.op, "shape": r.shape, "triton_us": r.triton_ms * 1e3, "torch_us": r.torch_ms * 1e3,
+             "ratio": r.torch_ms / r.triton_ms, "max_diff": r.max_diff} for r in rows]}))
     return 0
 
 

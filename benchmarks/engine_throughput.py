@@ -1,87 +1,150 @@
-"""Throughput of deepinfer (CPU backend) against transformers' batched generate, side by side.
+"""Throughput of deepinfer (CPU backend, eager and graph mode) against transformers' batched generate, side by side.
 
-Same tiny model, same prompts, greedy, at several concurrency levels. Prompts
-have equal length so transformers needs no padding. Prints output tokens/s,
-mean time per output token, and the deepinfer / transformers ratios.
+Same model, same prompts, greedy, at several concurrency levels, on two
+workloads: ``equal`` (every prompt and output the same length) and ``mixed``
+(prompts of 16-400 tokens, outputs of 8-128, fixed seed). transformers gets the
+prompts left-padded in one batch and runs to the longest output; only the
+tokens each request asked for count. Prints output tokens/s per engine and the
+ratios to transformers; graph mode also reports what capture cost at start-up.
 
-    .venv/bin/python benchmarks/engine_throughput.py [--model DIR] [--concurrency 1 16 64] [--max-tokens 32]
+    .venv/bin/python benchmarks/engine_throughput.py [--model DIR] [--concurrency 1 16 64]
+        [--workloads equal mixed] [--modes eager graph transformers] [--json]
+
+Graph mode on the CPU compiles each decode graph with inductor (seconds each
+with a warm cache, about a minute cold), so it captures only a few sizes here.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
+import json
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
+from common import add_json_flag, emit_json, model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _model_dir(arg: str | None) -> Path:
-    if arg:
-        return Path(arg)
-    sys.path.insert(0, str(ROOT))
-    from tests.helpers.checkpoints import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(Path(tempfile.mkdtemp()), "mixed")
+from deepinfer.llm import LLM
+import os
+OVERRIDES = json.loads(os.environ.get("BENCH_OVERRIDES", "{}"))
+from deepinfer.sampling_params import SamplingParams
 
 
-def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, min(vocab, 256), (length,), generator=g).tolist() for _ in range(n)]
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    outputs: list[int]
+
+    @property
+    def longest(self) -> int:
+        return max(len(p) for p in self.prompts) + max(self.outputs)
 
 
-def run_deepinfer(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
-    from deepinfer.llm import LLM
-    from deepinfer.sampling_params import SamplingParams
+def make_workload(kind: str, n: int, vocab: int, seed: int, equal_prompt: int, equal_output: int) -> Workload:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "equal":
+        lens, outs = [equal_prompt] * n, [equal_output] * n
+    else:
+        lens = torch.randint(16, 401, (n,), generator=g).tolist()
+        outs = torch.randint(8, 129, (n,), generator=g).tolist()
+    prompts = [torch.randint(3, vocab, (m,), generator=g).tolist() for m in lens]
+    return Workload(kind, prompts, outs)
 
-    llm = LLM(model=str(model_dir), backend="cpu", kv_cache_memory=256 << 20, max_model_len=512, max_num_seqs=max(len(prompts), 1))
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
+
+def capture_sizes(n: int) -> list[int]:
+    """A few decode sizes up to ``n`` (powers of 4, then ``n``)."""
+    sizes, s = [], 1
+    while s < n:
+        sizes.append(s)
+        s *= 4
+    return [*sizes, n]
+
+
+def run_deepinfer(path, work: Workload, graphs: bool, max_model_len: int) -> dict:
+    n = len(work.prompts)
     t = time.perf_counter()
-    outs = llm.generate(prompts, sp)
+    llm = LLM(
+        model=str(path), backend="cpu", kv_cache_memory=512 << 20, max_model_len=max_model_len, max_num_seqs=max(n, 1),
+        enforce_eager=not graphs, graph_capture_sizes=capture_sizes(n) if graphs else None, **OVERRIDES,
+    )
+    startup = time.perf_counter() - t
+    llm.generate(work.prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in work.outputs]
+    before = llm.get_metrics()
+    t = time.perf_counter()
+    outs = llm.generate(work.prompts, params)
     wall = time.perf_counter() - t
+    m = llm.get_metrics()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    tpot = sum(o.metrics.time_per_output_token or 0 for o in outs) / len(outs)
-    return tokens / wall, tpot
+    return {
+        "tokens_per_second": tokens / wall, "seconds": wall, "tokens": tokens, "startup_seconds": startup,
+        "graphs_captured": m["graphs_captured"], "graph_capture_seconds": m["graph_capture_seconds"],
+        "graph_replays": m["graph_replays"] - before["graph_replays"], "steps": m["steps"] - before["steps"],
+    }
 
 
-def run_transformers(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+def run_transformers(path, work: Workload) -> dict:
     from transformers import DeepseekV4ForCausalLM
 
-    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    ids = torch.tensor(prompts)
+    model.generation_config.pad_token_id = 0
+    width = max(len(p) for p in work.prompts)
+    ids = torch.zeros(len(work.prompts), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(work.prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
     with torch.no_grad():
-        model.generate(ids[:1], max_new_tokens=2, do_sample=False)
+        model.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=2, do_sample=False)  # warm-up
         t = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        model.generate(ids, attention_mask=mask, max_new_tokens=max(work.outputs), do_sample=False)
         wall = time.perf_counter() - t
-    tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return tokens / wall, wall / max_tokens
+    tokens = sum(work.outputs)
+    return {"tokens_per_second": tokens / wall, "seconds": wall, "tokens": tokens}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: a tiny random one)")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--workloads", nargs="+", default=["equal", "mixed"], choices=["equal", "mixed"])
+    ap.add_argument("--modes", nargs="+", default=["eager", "graph", "transformers"], choices=["eager", "graph", "transformers"])
+    ap.add_argument("--equal-prompt", type=int, default=32, help="prompt length of the equal workload")
+    ap.add_argument("--equal-output", type=int, default=32, help="output length of the equal workload")
+    ap.add_argument("--seed", type=int, default=0)
+    add_json_flag(ap)
     args = ap.parse_args(argv)
-    model_dir = _model_dir(args.model)
-    import json
-
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    print(f"model {model_dir}, greedy, {args.max_tokens} new tokens, prompt length {args.prompt_len}, threads {torch.get_num_threads()}")
-    print(f"{'concurrency':>11} | {'deepinfer tok/s':>15} {'tpot ms':>8} | {'transformers tok/s':>18} {'tpot ms':>8} | {'speed-up':>8}")
-    for n in args.concurrency:
-        prompts = _prompts(n, args.prompt_len, vocab)
-        d_tps, d_tpot = run_deepinfer(model_dir, prompts, args.max_tokens)
-        h_tps, h_tpot = run_transformers(model_dir, prompts, args.max_tokens)
-        print(f"{n:>11} | {d_tps:>15.1f} {1e3 * d_tpot:>8.2f} | {h_tps:>18.1f} {1e3 * h_tpot:>8.2f} | {d_tps / h_tps:>7.2f}x")
+    path = model_dir(args.model)
+    config = json.loads((path / "config.json").read_text())
+    vocab, max_pos = config["vocab_size"], config["max_position_embeddings"]
+    print(f"model {path}, greedy, CPU threads {torch.get_num_threads()}")
+    header = f"{'workload':>8} {'n':>3} | " + " | ".join(f"{m:>12} tok/s" for m in args.modes)
+    if "transformers" in args.modes:
+        header += " | " + " ".join(f"{m + '/hf':>10}" for m in args.modes if m != "transformers")
+    print(header)
+    rows = []
+    for kind in args.workloads:
+        for n in args.concurrency:
+            work = make_workload(kind, n, vocab, args.seed, args.equal_prompt, args.equal_output)
+            max_len = min(max_pos, max(256, 1 << (work.longest - 1).bit_length()))
+            row = {"workload": kind, "concurrency": n}
+            for mode in args.modes:
+                row[mode] = run_transformers(path, work) if mode == "transformers" else run_deepinfer(path, work, mode == "graph", max_len)
+            line = f"{kind:>8} {n:>3} | " + " | ".join(f"{row[m]['tokens_per_second']:>18.1f}" for m in args.modes)
+            if "transformers" in args.modes:
+                hf = row["transformers"]["tokens_per_second"]
+                for m in args.modes:
+                    if m != "transformers":
+                        row[f"{m}_vs_transformers"] = row[m]["tokens_per_second"] / hf
+                line += " | " + " ".join(f"{row[f'{m}_vs_transformers']:>9.2f}x" for m in args.modes if m != "transformers")
+            if "graph" in args.modes:
+                g = row["graph"]
+                line += f"   (graph: {g['graphs_captured']} captured in {g['graph_capture_seconds']:.0f} s, {g['graph_replays']}/{g['steps']} steps replayed)"
+            print(line, flush=True)
+            rows.append(row)
+    emit_json(args.json, {"benchmark": "engine_throughput", "model": str(path), "threads": torch.get_num_threads(), "results": rows})
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Part 2: continuations after a cached prefix with bounded vs exact replay:
 fraction of greedy tokens identical, and mean KL divergence of the first
 next-token distribution after the hit.
 
-    .venv/bin/python benchmarks/prefix_cache.py [--model DIR] [--users 32] [--system-len 600] [--continuations 200]
+    .venv/bin/python benchmarks/prefix_cache.py [--model DIR] [--users 32] [--system-len 600] [--continuations 200] [--json]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import math
 import time
 
-from common import model_dir, random_tokens
+from common import add_json_flag, emit_json, model_dir, random_tokens
 
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
@@ -31,9 +31,10 @@ def _text_tokens(llm: LLM, n: int, seed: int) -> list[int]:
     return random_tokens(n, seed, min(vocab, 256) if vocab <= 512 else vocab)
 
 
-def chat_workload(path, users: int, system_len: int, max_tokens: int) -> None:
+def chat_workload(path, users: int, system_len: int, max_tokens: int) -> dict:
     print(f"== shared-prefix chat: {users} users, system prompt {system_len} tokens, {max_tokens} new tokens each")
     print(f"{'mode':<18} {'computed tokens':>16} {'cached':>8} {'replayed':>9} {'wall s':>8}")
+    figures = {}
     for label, kw in (("no prefix cache", dict(enable_prefix_caching=False)), ("exact replay", dict(swa_replay="exact")), ("bounded replay", dict(swa_replay="bounded"))):
         llm = _llm(path, **kw)
         system = _text_tokens(llm, system_len, 0)
@@ -43,11 +44,14 @@ def chat_workload(path, users: int, system_len: int, max_tokens: int) -> None:
         llm.generate(prompts[:1], sp)
         llm.generate(prompts[1:], sp)
         wall = time.perf_counter() - t
-        s = llm.engine.stats
-        print(f"{label:<18} {s.computed_tokens:>16} {s.cached_tokens:>8} {s.replayed_tokens:>9} {wall:>8.2f}")
+        m = llm.get_metrics()
+        print(f"{label:<18} {m['computed_tokens']:>16} {m['cached_tokens']:>8} {m['replayed_tokens']:>9} {wall:>8.2f}")
+        figures[label] = {"computed_tokens": m["computed_tokens"], "cached_tokens": m["cached_tokens"],
+                          "replayed_tokens": m["replayed_tokens"], "seconds": wall}
+    return figures
 
 
-def replay_quality(path, n: int, prefix_len: int, max_tokens: int) -> None:
+def replay_quality(path, n: int, prefix_len: int, max_tokens: int) -> dict:
     print(f"== bounded vs exact replay: {n} continuations after a cached {prefix_len}-token prefix, {max_tokens} greedy tokens")
     results = {}
     for mode in ("exact", "bounded"):
@@ -58,7 +62,8 @@ def replay_quality(path, n: int, prefix_len: int, max_tokens: int) -> None:
         prompts = [docs[i % len(docs)] + _text_tokens(llm, 8, 5000 + i) for i in range(n)]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=vocab))
         results[mode] = outs
-        print(f"  {mode}: replayed {llm.engine.stats.replayed_tokens} tokens, cached {llm.engine.stats.cached_tokens}")
+        m = llm.get_metrics()
+        print(f"  {mode}: replayed {m['replayed_tokens']} tokens, cached {m['cached_tokens']}")
     same = total = 0
     kls = []
     for a, b in zip(results["exact"], results["bounded"]):
@@ -72,6 +77,7 @@ def replay_quality(path, n: int, prefix_len: int, max_tokens: int) -> None:
         kls.append(sum(math.exp(lp.logprob) * (lp.logprob - pb[t].logprob) for t, lp in pa.items() if t in pb))
     print(f"  greedy tokens identical (up to the first difference): {same / total:.1%} of {total}")
     print(f"  mean KL(exact || bounded) of the first next-token distribution: {sum(kls) / len(kls):.2e} nats")
+    return {"greedy_identical_fraction": same / total, "mean_first_token_kl": sum(kls) / len(kls)}
 
 
 def main(argv=None) -> None:
@@ -82,11 +88,13 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--continuations", type=int, default=200)
     ap.add_argument("--prefix-len", type=int, default=400)
+    add_json_flag(ap)
     args = ap.parse_args(argv)
     path = model_dir(args.model)
     print(f"model {path} ({json.loads((path / 'config.json').read_text())['num_hidden_layers']} layers)")
-    chat_workload(path, args.users, args.system_len, args.max_tokens)
-    replay_quality(path, args.continuations, args.prefix_len, 16)
+    chat = chat_workload(path, args.users, args.system_len, args.max_tokens)
+    quality = replay_quality(path, args.continuations, args.prefix_len, 16)
+    emit_json(args.json, {"benchmark": "prefix_cache", "model": str(path), "chat": chat, "bounded_replay": quality})
 
 
 if __name__ == "__main__":

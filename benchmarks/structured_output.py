@@ -194,7 +194,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch CPU threads (1 gives steady numbers on a busy machine)")
     ap.add_argument("--model", help="also measure end-to-end throughput with 0/50/100%% constrained requests")
     ap.add_argument("--requests", type=int, default=32, help="requests per end-to-end run")
+    add_json_flag(ap)
     args = ap.parse_args()
+    figures: dict = {"benchmark": "structured_output", "masks": [], "end_to_end": []}
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -223,6 +225,7 @@ def main() -> None:
         compile_ms = (time.perf_counter() - t0) * 1e3
         for b in (int(x) for x in args.batch_sizes.split(",")):
             r = time_steps(cache, kernels, params, b, args.max_steps, args.device)
+            figures["masks"].append({"constraint": name, "compile_ms": compile_ms, "batch": b, **r})
             print(
                 f"{name:<16} {compile_ms:>10.1f} {b:>5} {r['steps']:>6.1f} {r['fill_us_per_req']:>12.1f} "
                 f"{r['apply_us_per_step']:>14.1f} {r['accept_us_per_req']:>14.1f}"
@@ -235,10 +238,12 @@ def main() -> None:
         prompts = [f"Describe person number {i} as JSON." for i in range(args.requests)]
         print(f"\n{'constrained':>11} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
         for row in throughput_by_constrained_fraction(llm, prompts, CONSTRAINTS["json-object"]):
+            figures["end_to_end"].append(row)
             print(
                 f"{row['constrained']:>11.0%} {row['requests']:>8} {row['tokens']:>7} "
                 f"{row['seconds']:>8.2f} {row['tokens_per_s']:>9.1f}"
             )
+    emit_json(args.json, figures)
 
 
 if __name__ == "__main__":

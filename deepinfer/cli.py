@@ -81,7 +81,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     overrides = {
         "backend": args.backend, "kernels": args.kernels, "interpret": args.interpret or None, "dtype": args.dtype,
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory, "seed": args.seed,
+        "enforce_eager": args.enforce_eager,
     }
+    if args.stats or args.verbose:
+        _log_to_stderr()
     llm = LLM(model=args.model, config=args.config, **overrides)
     failed = False
     if len(prompts) == 1:
@@ -107,6 +110,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         print(llm.engine.stats_line(), file=sys.stderr)
     return 2 if failed else 0
+
+
+def _log_to_stderr() -> None:
+    """Start-up lines (the KV cache plan, graph capture) on stderr."""
+    import logging
+
+    log = logging.getLogger("deepinfer")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("deepinfer: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
     p.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON matching this schema")
     p.add_argument("--regex", help="constrain the output to this regular expression")
-    p.add_argument("--stats", action="store_true", help="print engine statistics at the end")
+    p.add_argument(
+        "--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+        help="never capture decode graphs (--no-enforce-eager: capture them even where the device does not by default)",
+    )
+    p.add_argument("--stats", action="store_true", help="print the start-up plan and the engine's statistics at the end")
+    p.add_argument("--verbose", action="store_true", help="print the start-up plan (KV cache, graph capture)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
     p.set_defaults(func=_cmd_generate)
 

@@ -39,7 +39,9 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, gt=0)
     enable_prefix_caching: bool = True
     swa_replay: Literal["bounded", "exact"] = "bounded"
-    overlap_scheduling: bool = True
+    overlap_scheduling: bool | None = Field(
+        None, description="schedule the next step while the device runs this one; None: on where the device runs asynchronously"
+    )
     enforce_eager: bool | None = Field(
         None, description="True: never capture graphs; False: capture decode graphs; None: the device's default"
     )

@@ -63,6 +63,8 @@ class DecodeGraph:
     host_tensor: torch.Tensor
     inputs: ForwardInputs
     replay: Callable[[], torch.Tensor] | None = None
+    #: steps that replayed this graph
+    replays: int = 0
 
     def load(self, batch: Batch, cache: ModelCache, placeholders: np.ndarray | None = None) -> None:
         """Write ``batch``'s indices into the static buffers (one host-to-device copy, queued)."""

@@ -93,7 +93,9 @@ class Engine:
         self._live: dict[str, Request] = {}
         self._ids = itertools.count()
         self._grammar_cache: GrammarCompilerCache | None = None
-        self.executor = StepExecutor(self.runner, threaded=config.overlap_scheduling)
+        overlap = config.overlap_scheduling
+        self.overlap = self.backend.device.capabilities().asynchronous if overlap is None else overlap
+        self.executor = StepExecutor(self.runner, threaded=self.overlap)
         self._inflight: deque[tuple[Step, Future]] = deque()
 
     def _grammars(self) -> GrammarCompilerCache:
@@ -231,7 +233,7 @@ class Engine:
             req = self.scheduler.waiting[0]
             self._fail(req, f"the request needs {self.kv.blocks_for(req.num_tokens)} cache blocks but the cache has {self.kv.pool.num_blocks}; raise kv_cache_memory")
             changed.append(req)
-        keep = 1 if (self.config.overlap_scheduling and step is not None) else 0
+        keep = 1 if (self.overlap and step is not None) else 0
         while len(self._inflight) > keep:
             done, fut = self._inflight.popleft()
             t1 = time.perf_counter()

@@ -123,7 +123,7 @@ class ModelRunner:
         if self._graph_mode(cfg):
             sizes = cfg.graph_capture_sizes or default_capture_sizes(cfg.max_num_seqs)
             self.graphs = DecodeGraphs(self.model, self.cache, self.device, sizes, self.max_model_len)
-            report = self.graphs.capture(_progress_line if sys.stderr.isatty() else None)
+            report = self.graphs.capture(_progress_line if sys.stderr.isatty() and log.isEnabledFor(logging.INFO) else None)
             self.stats.graphs_captured = report.graphs
             self.stats.graph_capture_seconds = report.seconds
             self.stats.graph_capture_bytes = report.bytes
@@ -158,9 +158,28 @@ class ModelRunner:
         t0 = time.perf_counter()
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
-        compute = [s for s in step.sequences if s.num_tokens]
         for s in step.sequences:
             self.cache.set_sequence(s.slot, s.block_table, s.state_floor, s.shared_prefix_tokens)
+        batch, rows, placeholders = self._batch(step)
+        graph = self._graph_for(step, batch)
+        logits = self._forward(batch, placeholders, graph) if batch.num_seqs else None
+        for s in step.sequences:
+            if s.fork is not None:
+                self.cache.fork(s.fork.source_slot, s.slot, list(s.fork.block_copies))
+        prompt_lps = {}
+        for s in step.sequences:
+            if s.prompt_logprobs is not None:
+                first = rows[s.request_id][0]
+                targets = torch.tensor(s.prompt_logprobs.targets, dtype=torch.int64, device=self.torch_device)
+                scored = top_logprobs(logits[first : first + len(targets)], s.prompt_logprobs.k, targets)
+                prompt_lps[s.request_id] = (s.start + 1, scored)
+        tokens = self._sample(step, logits, rows)
+        return StepResult(tokens, prompt_lps, time.perf_counter() - t0, graph is not None)
+
+    def _batch(self, step: Step) -> tuple[Batch, dict[str, list[int]], np.ndarray]:
+        """The step's sequences that bring tokens as one batch; each one's logits rows; and for every
+        token, its index among the previous step's samples when the host does not know it yet (else -1)."""
+        compute = [s for s in step.sequences if s.num_tokens]
         rows: dict[str, list[int]] = {}
         logits_indices: list[int] = []
         placeholders: list[int] = []
@@ -174,44 +193,33 @@ class ModelRunner:
             tuple(tuple(s.token_ids) for s in compute), tuple(s.slot for s in compute),
             tuple(s.start for s in compute), tuple(logits_indices),
         )
-        graph = self._graph_for(step, batch)
-        logits = self._forward(batch, np.asarray(placeholders, dtype=np.int64), graph) if compute else None
-        for s in step.sequences:
-            if s.fork is not None:
-                self.cache.fork(s.fork.source_slot, s.slot, list(s.fork.block_copies))
+        return batch, rows, np.asarray(placeholders, dtype=np.int64)
 
-        prompt_lps = {}
-        for s in compute:
-            if s.prompt_logprobs is not None:
-                r = rows[s.request_id]
-                targets = torch.tensor(s.prompt_logprobs.targets, dtype=torch.int64, device=self.torch_device)
-                lp_rows = logits[r[0] : r[0] + len(targets)]
-                prompt_lps[s.request_id] = (s.start + 1, top_logprobs(lp_rows, s.prompt_logprobs.k, targets))
+    def _sample(self, step: Step, logits: torch.Tensor | None, rows: dict[str, list[int]]) -> dict[str, SampledToken]:
+        """One token per sampling sequence (from its last logits row; a fork from its source's), with
+        its log-probabilities; kept on the device for the next step's placeholders."""
         sampled = step.sampled
-        sample_rows = [rows[s.fork.source_id if s.fork else s.request_id][-1] for s in sampled]
-        tokens = torch.empty(0, dtype=torch.int64, device=self.torch_device)
-        token_list: list[int] = []
-        lps = None
-        if sampled:
-            picked = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
-            bitmask = None
-            if step.grammar is not None:
-                step.grammar.ready.wait()
-                bitmask = (step.grammar.bitmask.to(picked.device), step.grammar.rows)
-            tokens = self.sampler.sample(picked, [s.sample for s in sampled], [s.request_id for s in sampled], bitmask)
-            ks = [s.sample.logprobs for s in sampled if s.sample.logprobs is not None]
-            if ks:
-                lps = top_logprobs(picked, max(ks), tokens)
-            token_list = tokens.tolist()
-        self._last_tokens = tokens
         self._last_index = {s.request_id: i for i, s in enumerate(sampled)}
+        if not sampled:
+            self._last_tokens = None
+            return {}
+        picked = logits[torch.tensor([rows[s.fork.source_id if s.fork else s.request_id][-1] for s in sampled], device=logits.device)]
+        bitmask = None
+        if step.grammar is not None:
+            step.grammar.ready.wait()
+            bitmask = (step.grammar.bitmask.to(picked.device), step.grammar.rows)
+        tokens = self.sampler.sample(picked, [s.sample for s in sampled], [s.request_id for s in sampled], bitmask)
+        self._last_tokens = tokens
+        ks = [s.sample.logprobs for s in sampled if s.sample.logprobs is not None]
+        lps = top_logprobs(picked, max(ks), tokens) if ks else None
+        token_list = tokens.tolist()
         out = {}
         for i, s in enumerate(sampled):
             row = None
             if lps is not None and s.sample.logprobs is not None:
                 row = {t: v for t, v in lps[i].items() if v[1] <= s.sample.logprobs or t == token_list[i]}
             out[s.request_id] = SampledToken(token_list[i], row)
-        return StepResult(out, prompt_lps, time.perf_counter() - t0, graph is not None)
+        return out
 
     def _graph_for(self, step: Step, batch: Batch) -> DecodeGraph | None:
         if self.graphs is None or not batch.num_seqs:
@@ -228,6 +236,7 @@ class ModelRunner:
             graph.load(batch, self.cache, placeholders)
             self._copied.record()
             self._fill_placeholders(graph.inputs, placeholders)
+            graph.replays += 1
             return graph.replay()[: len(batch.logits_indices)].float()
         layout = StepLayout(StepShape.exact(batch, self.geometry), self.geometry)
         host_tensor = self._host_staging(layout.numel)

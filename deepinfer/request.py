@@ -5,11 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .outputs import PositionLogprobs, RequestMetrics
 from .sampling_params import SamplingParams
-from .step import PLACEHOLDER
+from .step import PLACEHOLDER, SampleSpec
 
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
@@ -92,8 +93,20 @@ class Request:
 
     def token_slice(self, start: int, n: int) -> list[int]:
         """Tokens ``[start, start + n)``, with ``PLACEHOLDER`` for positions still pending on the device."""
-        known = self.all_token_ids[start : start + n]
+        p = len(self.prompt_token_ids)
+        if start + n <= p:
+            known = self.prompt_token_ids[start : start + n]
+        elif start >= p:
+            known = self.output_token_ids[start - p : start - p + n]
+        else:
+            known = self.prompt_token_ids[start:] + self.output_token_ids[: start + n - p]
         return known + [PLACEHOLDER] * (n - len(known))
+
+    @cached_property
+    def sample_spec(self) -> SampleSpec:
+        """How each of this request's tokens is drawn."""
+        p = self.params
+        return SampleSpec(p.temperature, p.top_k, p.top_p, p.min_p, self.seed, p.logprobs)
 
     @property
     def at_limit(self) -> bool:

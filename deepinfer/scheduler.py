@@ -28,7 +28,7 @@ from typing import Callable
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .stats import EngineStats
-from .step import ForkSpec, PromptLogprobSpec, SampleSpec, ScheduledSequence
+from .step import ForkSpec, PromptLogprobSpec, ScheduledSequence
 
 
 @dataclass
@@ -41,11 +41,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.sequences)
-
-
-def sample_spec(req: Request) -> SampleSpec:
-    p = req.params
-    return SampleSpec(p.temperature, p.top_k, p.top_p, p.min_p, req.seed, p.logprobs)
 
 
 class Scheduler:
@@ -149,7 +144,7 @@ class Scheduler:
             req.metrics.first_scheduled_time = time.monotonic()
             self.stats.prompt_tokens += req.num_prompt_tokens
         samples = start + n == req.num_tokens
-        if not (samples and n == 1 and start + 1 >= req.num_known_tokens):
+        if not (samples and n == 1 and start >= req.num_prompt_tokens):  # anything but feeding back one output token
             self.stats.prefill_tokens += n
         offsets: list[int] = []
         prompt_lp = None
@@ -170,7 +165,7 @@ class Scheduler:
             state_floor=req.state_floor,
             shared_prefix_tokens=req.num_cached_tokens,
             logit_offsets=offsets,
-            sample=sample_spec(req) if samples else None,
+            sample=req.sample_spec if samples else None,
             prompt_logprobs=prompt_lp,
         ))
         req.num_computed_tokens = start + n
@@ -206,7 +201,7 @@ class Scheduler:
                 block_table=list(self.kv.tables[child.request_id]),
                 state_floor=child.state_floor,
                 shared_prefix_tokens=child.num_cached_tokens,
-                sample=sample_spec(child),
+                sample=child.sample_spec,
                 fork=ForkSpec(source.request_id, self.kv.slots[source.request_id], tuple(copies)),
             ))
 

@@ -192,3 +192,30 @@ def test_abort_mid_generation(llm, prompts):
     out = eng.output(req)
     assert out.finished and out.outputs[0].finish_reason == "abort" and 0 < len(out.outputs[0].token_ids) < 50
     assert eng.output(keep).outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("variant", ["mixed", "compressed_yarn", "sliding_hca"])
+def test_planned_kv_budget_is_what_the_pools_hold(tmp_path, variant):
+    ckpt = make_tiny_checkpoint(tmp_path, variant)
+    budget = 3 << 20
+    llm = LLM(model=str(ckpt), backend="cpu", kv_cache_memory=budget, max_model_len=256, max_num_seqs=3, max_prefill_chunk=40)
+    runner = llm.engine.runner
+    plan, cache = runner.plan, runner.cache
+    assert plan.budget == cache.pool_bytes() <= budget
+    assert plan.budget == plan.num_slots * plan.bytes_per_slot + plan.num_blocks * plan.bytes_per_block
+    assert f"{plan.budget / (1 << 20):.1f} MiB" in plan.describe()
+    # the rings hold one step of max_step_tokens beyond the window
+    assert cache.window_rows == runner.config.sliding_window - 1 + 40
+
+
+def test_metrics_count_each_step_once(ckpt, prompts):
+    llm = LLM(model=str(ckpt), backend="cpu", kv_cache_memory=64 << 20, max_model_len=256, max_num_batched_tokens=32, max_prefill_chunk=32)
+    outs = llm.generate(prompts[:6], GREEDY)
+    m = llm.get_metrics()
+    prompt_tokens = sum(len(p) for p in prompts[:6])
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert m["prompt_tokens"] == prompt_tokens and m["generated_tokens"] == generated == 6 * MAX_TOKENS
+    assert m["computed_tokens"] == prompt_tokens + generated - 6 and m["prefill_tokens"] == prompt_tokens
+    assert m["steps"] > 0 and m["forward_ms_per_step"] > 0 and 0 <= m["device_idle_fraction"] <= 1
+    assert m["graph_replays"] == 0 and m["preemptions"] == 0
+    assert str(m["steps"]) in llm.engine.stats_line()

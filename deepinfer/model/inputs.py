@@ -2,7 +2,9 @@
 
 Every size the forward depends on is fixed by a ``StepShape`` before the
 forward starts: tokens ``T``, sequences ``B``, logits rows ``L`` and, per
-compressing layer type, the compressed entries ``N`` each token may see. Every
+compressing layer type, the compressed entries ``N`` each token may see and the
+entries ``E`` the step's tokens complete (the tokens that close a window of
+``m`` positions; the compressor pools only those). Every
 index is computed here in numpy from the batch and the cache's host tables and
 written into one flat int64 buffer (``StepLayout``); the device gets that
 buffer in one copy, and the forward only gathers, scatters and masks with it,
@@ -17,6 +19,8 @@ so a prefill chunk copies ``B × N`` rows rather than ``T × N``.
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,17 +41,24 @@ class StepShape:
     logits: int
     #: per compressing layer type (``geometry.compressed_types`` order): entries visible to a token
     entries: tuple[int, ...]
+    #: per compressing layer type: entries the step's tokens complete
+    emits: tuple[int, ...]
 
     @classmethod
     def exact(cls, batch: Batch, geometry: CacheGeometry) -> "StepShape":
         """No padding: the batch's own sizes."""
-        return cls.padded(batch.num_tokens, batch.num_seqs, len(batch.logits_indices), batch.max_context_len, geometry)
+        ratios = [geometry.specs[lt].ratio for lt in geometry.compressed_types]
+        spans = list(zip(batch.start_positions, batch.query_lens))
+        emits = tuple(sum((s + n) // m - s // m for s, n in spans) for m in ratios)
+        entries = tuple(batch.max_context_len // m for m in ratios)
+        return cls(batch.num_tokens, batch.num_seqs, len(batch.logits_indices), entries, emits)
 
     @classmethod
     def padded(cls, tokens: int, seqs: int, logits: int, context_len: int, geometry: CacheGeometry) -> "StepShape":
-        """Room for ``tokens`` tokens of ``seqs`` sequences reaching at most ``context_len`` positions."""
-        entries = tuple(context_len // geometry.specs[lt].ratio for lt in geometry.compressed_types)
-        return cls(tokens, seqs, logits, entries)
+        """Room for ``tokens`` tokens of ``seqs`` sequences reaching at most ``context_len`` positions
+        (each token may complete an entry)."""
+        ratios = [geometry.specs[lt].ratio for lt in geometry.compressed_types]
+        return cls(tokens, seqs, logits, tuple(context_len // m for m in ratios), (tokens,) * len(ratios))
 
 
 @dataclass
@@ -56,17 +67,19 @@ class LayerInputs:
 
     #: ``[T]`` state-ring rows receiving each token's compressor projections
     state_write: torch.Tensor
-    #: ``[T, m]`` state rows of the window a token closes (-1 rows: the token closes none)
+    #: ``[E, m]`` state rows of each completed entry's window (-1 rows: padding)
     emit_rows: torch.Tensor
-    #: ``[T]`` kv-pool rows receiving the entry a token closes (-1: none, or shared)
+    #: ``[E]`` kv-pool rows receiving each completed entry (-1: padding, or shared)
     emit_kv: torch.Tensor
+    #: ``[E]`` position of each completed entry's first token (its rotary position)
+    emit_positions: torch.Tensor
     #: ``[T]`` compressed entries visible to each token
     visible: torch.Tensor
     #: ``[B, N]`` kv-pool rows of each sequence's entries ``0 … N − 1`` (-1: no block)
     seq_kv: torch.Tensor
-    #: ``[T, m]`` state rows of the window before it (overlapping compressor only)
+    #: ``[E, m]`` state rows of the window before it (overlapping compressor only)
     emit_prev_rows: torch.Tensor | None = None
-    #: ``[T]`` / ``[B, N]`` the same for the indexer keys (compressed sparse attention only)
+    #: ``[E]`` / ``[B, N]`` the same for the indexer keys (compressed sparse attention only)
     emit_index: torch.Tensor | None = None
     seq_index: torch.Tensor | None = None
 
@@ -104,26 +117,28 @@ class StepLayout:
             ("input_ids", (t,)), ("positions", (t,)), ("placeholder_src", (t,)), ("token_seq", (t,)),
             ("logits_indices", (shape.logits,)), ("window_write", (t,)), ("window_rows", (t, w)),
         ]
-        for lt, n in zip(geometry.compressed_types, shape.entries):
+        for lt, n, e in zip(geometry.compressed_types, shape.entries, shape.emits):
             spec = geometry.specs[lt]
             m = spec.ratio
-            fields += [(f"{lt}.state_write", (t,)), (f"{lt}.emit_rows", (t, m)), (f"{lt}.emit_kv", (t,)),
-                       (f"{lt}.visible", (t,)), (f"{lt}.seq_kv", (b, n))]
+            fields += [(f"{lt}.state_write", (t,)), (f"{lt}.emit_rows", (e, m)), (f"{lt}.emit_kv", (e,)),
+                       (f"{lt}.emit_positions", (e,)), (f"{lt}.visible", (t,)), (f"{lt}.seq_kv", (b, n))]
             if spec.overlap:
-                fields.append((f"{lt}.emit_prev_rows", (t, m)))
+                fields.append((f"{lt}.emit_prev_rows", (e, m)))
             if spec.index_head_dim:
-                fields += [(f"{lt}.emit_index", (t,)), (f"{lt}.seq_index", (b, n))]
+                fields += [(f"{lt}.emit_index", (e,)), (f"{lt}.seq_index", (b, n))]
         self.fields = fields
-        self.numel = sum(int(np.prod(s)) for _, s in fields)
+        #: (name, first element, end, shape) of each field
+        self._spans: list[tuple[str, int, int, tuple[int, ...]]] = []
+        at = 0
+        for name, shape in fields:
+            n = math.prod(shape)
+            self._spans.append((name, at, at + n, shape))
+            at += n
+        self.numel = at
 
     def carve(self, flat: Any) -> dict[str, Any]:
         """Views of ``flat`` (a numpy array or a tensor of ``numel`` elements), by field name."""
-        out, at = {}, 0
-        for name, shape in self.fields:
-            n = int(np.prod(shape))
-            out[name] = flat[at : at + n].reshape(shape)
-            at += n
-        return out
+        return {name: flat[a:b].reshape(shape) for name, a, b, shape in self._spans}
 
     def forward_inputs(self, buffer: torch.Tensor) -> ForwardInputs:
         """The typed views of a device buffer."""
@@ -132,7 +147,7 @@ class StepLayout:
         for lt in self.geometry.compressed_types:
             layers[lt] = LayerInputs(
                 state_write=v[f"{lt}.state_write"], emit_rows=v[f"{lt}.emit_rows"], emit_kv=v[f"{lt}.emit_kv"],
-                visible=v[f"{lt}.visible"], seq_kv=v[f"{lt}.seq_kv"], emit_prev_rows=v.get(f"{lt}.emit_prev_rows"),
+                emit_positions=v[f"{lt}.emit_positions"], visible=v[f"{lt}.visible"], seq_kv=v[f"{lt}.seq_kv"], emit_prev_rows=v.get(f"{lt}.emit_prev_rows"),
                 emit_index=v.get(f"{lt}.emit_index"), seq_index=v.get(f"{lt}.seq_index"),
             )
         return ForwardInputs(
@@ -168,8 +183,7 @@ def fill_step_inputs(
 
     ids = v["input_ids"]
     ids[:] = 0
-    if n:
-        ids[:n] = np.concatenate([np.asarray(t, dtype=np.int64) for t in batch.token_ids])
+    ids[:n] = np.fromiter(itertools.chain.from_iterable(batch.token_ids), dtype=np.int64, count=n)
     v["placeholder_src"][:] = -1
     if placeholder_src is not None:
         v["placeholder_src"][:n] = placeholder_src
@@ -182,23 +196,32 @@ def fill_step_inputs(
     w = g.sliding_window
     v["window_rows"][:] = cache.window_rows_of(slot[:, None], pos[:, None] - np.arange(w, dtype=np.int64)[None, :])
 
-    for lt, entries in zip(g.compressed_types, shape.entries):
+    for lt, entries, emits in zip(g.compressed_types, shape.entries, shape.emits):
         spec = g.specs[lt]
         m = spec.ratio
-        closes = live & ((pos + 1) % m == 0)
-        entry = np.where(closes, (pos + 1) // m - 1, -1)
-        src = np.where(closes[:, None], (pos - m + 1)[:, None] + np.arange(m, dtype=np.int64)[None, :], -1)
         v[f"{lt}.state_write"][:] = cache.state_rows_of(spec, slot, pos)
-        v[f"{lt}.emit_rows"][:] = cache.state_rows_of(spec, slot[:, None], src)
-        v[f"{lt}.emit_kv"][:] = cache.entry_write_rows_of(spec, slot, entry)
         v[f"{lt}.visible"][:] = np.where(live, (pos + 1) // m, 0)
         table = np.arange(entries, dtype=np.int64)[None, :]
         v[f"{lt}.seq_kv"][:] = cache.entry_rows_of(spec, slots_b[:, None], table)
-        if spec.overlap:
-            v[f"{lt}.emit_prev_rows"][:] = cache.state_rows_of(spec, slot[:, None], np.where(src >= m, src - m, -1))
         if spec.index_head_dim:
-            v[f"{lt}.emit_index"][:] = cache.entry_write_rows_of(spec, slot, entry, index=True)
             v[f"{lt}.seq_index"][:] = cache.entry_rows_of(spec, slots_b[:, None], table, index=True)
+        # the tokens that close a window, in batch order, then padding
+        closing = np.flatnonzero(live & ((pos + 1) % m == 0))
+        if len(closing) > emits:
+            raise ValueError(f"the batch completes {len(closing)} entries of {lt} but the shape has room for {emits}")
+        e_slot = np.full(emits, -1, dtype=np.int64)
+        e_slot[: len(closing)] = slot[closing]
+        e_entry = np.full(emits, -1, dtype=np.int64)
+        e_entry[: len(closing)] = (pos[closing] + 1) // m - 1
+        first_pos = np.maximum(e_entry, 0) * m
+        src = np.where((e_entry >= 0)[:, None], first_pos[:, None] + np.arange(m, dtype=np.int64)[None, :], -1)
+        v[f"{lt}.emit_rows"][:] = cache.state_rows_of(spec, e_slot[:, None], src)
+        v[f"{lt}.emit_positions"][:] = first_pos
+        v[f"{lt}.emit_kv"][:] = cache.entry_write_rows_of(spec, e_slot, e_entry)
+        if spec.overlap:
+            v[f"{lt}.emit_prev_rows"][:] = cache.state_rows_of(spec, e_slot[:, None], np.where(src >= m, src - m, -1))
+        if spec.index_head_dim:
+            v[f"{lt}.emit_index"][:] = cache.entry_write_rows_of(spec, e_slot, e_entry, index=True)
 
 
 def step_inputs(batch: Batch, cache: ModelCache, device: torch.device | str) -> ForwardInputs:

@@ -32,14 +32,14 @@ class LayerMeta:
     ratio: int = 0
     #: ``[T]`` state-pool rows receiving each token's compressor projections
     state_write: torch.Tensor | None = None
-    #: ``[T, m]`` state rows of the window a token closes (-1 rows: the token closes none)
+    #: ``[E, m]`` state rows of the window of each entry the step completes (-1 rows: padding)
     emit_rows: torch.Tensor | None = None
-    #: ``[T, m]`` state rows of the window before it (overlapping compressor only)
+    #: ``[E, m]`` state rows of the window before it (overlapping compressor only)
     emit_prev_rows: torch.Tensor | None = None
-    #: ``[T]`` kv-pool / index-pool rows receiving the emitted entry (-1: none)
+    #: ``[E]`` kv-pool / index-pool rows receiving each completed entry (-1: none)
     emit_kv_slot: torch.Tensor | None = None
     emit_index_slot: torch.Tensor | None = None
-    #: ``[T, R/2]`` compress-rope angles at the emitted entry's position (its window's first token)
+    #: ``[E, R/2]`` compress-rope angles at each completed entry's position (its window's first token)
     entry_cos: torch.Tensor | None = None
     entry_sin: torch.Tensor | None = None
     #: ``[T, N]`` kv-pool / index-pool rows of the entries visible to each token (-1: not yet complete)
@@ -78,7 +78,7 @@ def build_layer_metas(inputs: ForwardInputs, geometry: CacheGeometry, rope_main:
         meta.emit_prev_rows = li.emit_prev_rows
         meta.emit_kv_slot = li.emit_kv
         meta.emit_index_slot = li.emit_index
-        meta.entry_cos, meta.entry_sin = rope_compress((pos - m + 1).clamp(min=0))
+        meta.entry_cos, meta.entry_sin = rope_compress(li.emit_positions)
         meta.visible_kv = _per_token(li.seq_kv, inputs.token_seq, li.visible)
         if li.seq_index is not None:
             meta.visible_index = _per_token(li.seq_index, inputs.token_seq, li.visible)

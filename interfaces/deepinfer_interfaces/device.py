@@ -33,6 +33,9 @@ class DeviceCapabilities:
     #: whether the engine captures decode graphs unless told otherwise: False where capture costs more
     #: than replay saves in a typical run (compiling on the host CPU)
     graph_by_default: bool = False
+    #: work is queued and runs apart from the host thread, so the host can schedule the next step meanwhile
+    #: (False for the host CPU itself: overlapping would only split the same cores)
+    asynchronous: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -81,7 +81,7 @@ class AscendDevice(Device):
         if feats["fp8"]:
             dtypes.append(torch.float8_e4m3fn)
         return DeviceCapabilities(
-            name=soc, dtypes=tuple(dtypes), fp8=feats["fp8"], fp4=feats["mxfp4"], graph_capture=True, graph_by_default=True,
+            name=soc, dtypes=tuple(dtypes), fp8=feats["fp8"], fp4=feats["mxfp4"], graph_capture=True, graph_by_default=True, asynchronous=True,
             extra={"generation": gen, "hif8": feats["hif8"], "vector_cores": vector_core_count(self.index)},
         )
 

@@ -49,6 +49,7 @@ class CUDADevice(Device):
             fp4=feats["fp4"],
             graph_capture=True,
             graph_by_default=True,
+            asynchronous=True,
             extra={"capability": f"sm_{major}{minor}"},
         )
 

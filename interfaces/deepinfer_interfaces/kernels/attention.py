@@ -7,14 +7,12 @@ import torch
 from .base import acc_dtype, op
 
 
-def gather_rows(pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``pool[indices]`` with ``-1`` rows (and any row of an empty pool) read as zeros."""
-    out_shape = (*indices.shape, *pool.shape[1:])
+def take_rows(pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``pool[indices]`` with ``-1`` rows read as some finite row: for callers that give those rows
+    zero weight themselves (a masked score), which saves a pass over the gathered rows."""
     if pool.shape[0] == 0 or indices.numel() == 0:
-        return pool.new_zeros(out_shape)
-    valid = indices >= 0
-    rows = pool[indices.clamp(min=0)]
-    return rows * valid.view(*indices.shape, *([1] * (pool.dim() - 1))).to(rows.dtype)
+        return pool.new_zeros((*indices.shape, *pool.shape[1:]))
+    return pool[indices.clamp(min=0)]
 
 
 class AttentionOps:
@@ -46,9 +44,9 @@ class AttentionOps:
         if t == 0 or indices.shape[1] == 0:
             return q.new_zeros(t, h, d)
         acc = acc_dtype(q)
-        rows = gather_rows(kv, indices).to(acc)  # [T, K, D]
+        rows = take_rows(kv, indices).to(acc)  # [T, K, D]; padded rows get zero probability below
         scores = torch.einsum("thd,tkd->thk", q.to(acc), rows) * scale
-        scores = scores.masked_fill(~(indices >= 0)[:, None, :], float("-inf"))
+        scores = scores.masked_fill((indices < 0)[:, None, :], float("-inf"))
         sink = sinks.to(acc)[None, :, None].expand(t, h, 1)
         logits = torch.cat([scores, sink], dim=-1)
         probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]

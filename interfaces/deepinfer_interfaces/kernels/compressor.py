@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import gather_rows
+from .attention import take_rows
 from .base import acc_dtype, op
 
 
@@ -39,15 +39,16 @@ class CompressorOps:
         acc = acc_dtype(kv)
         c = kv.shape[-1]
         bias = position_bias.to(acc)
-        cur_kv = gather_rows(kv, indices).to(acc)  # [E, m, C]
-        cur_gate = gather_rows(gate, indices).to(acc) + bias
+        # absent slots get zero weight below, so their (finite) gathered rows never count
+        cur_kv = take_rows(kv, indices).to(acc)  # [E, m, C]
+        cur_gate = take_rows(gate, indices).to(acc) + bias
         cur_valid = (indices >= 0)[..., None]
         if prev_indices is None:
             vals, logits, valid = cur_kv, cur_gate, cur_valid.expand_as(cur_kv)
         else:
             d = c // 2
-            prev_kv = gather_rows(kv, prev_indices).to(acc)[..., :d]
-            prev_gate = gather_rows(gate, prev_indices).to(acc)[..., :d] + bias[:, :d]
+            prev_kv = take_rows(kv, prev_indices).to(acc)[..., :d]
+            prev_gate = take_rows(gate, prev_indices).to(acc)[..., :d] + bias[:, :d]
             vals = torch.cat([prev_kv, cur_kv[..., d:]], dim=1)
             logits = torch.cat([prev_gate, cur_gate[..., d:]], dim=1)
             valid = torch.cat([(prev_indices >= 0)[..., None].expand_as(prev_kv), cur_valid.expand_as(prev_kv)], dim=1)

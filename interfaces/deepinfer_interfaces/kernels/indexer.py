@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import gather_rows
+from .attention import take_rows
 from .base import acc_dtype, op
 
 
@@ -33,7 +33,7 @@ class IndexerOps:
         acc = acc_dtype(q)
         if t == 0 or k == 0:
             return torch.empty(t, k, dtype=acc, device=q.device)
-        rows = gather_rows(keys, indices).to(acc)  # [T, K, D]
+        rows = take_rows(keys, indices).to(acc)  # [T, K, D]; padded columns are masked below
         dots = torch.relu(torch.einsum("thd,tkd->thk", q.to(acc), rows))
         scores = torch.einsum("thk,th->tk", dots, weights.to(acc)) * scale
         return scores.masked_fill(indices < 0, float("-inf"))

@@ -55,10 +55,13 @@ class MHCOps:
         pre = torch.sigmoid(u_pre * s[0] + b_pre) + hc_eps
         post = 2 * torch.sigmoid(u_post * s[1] + b_post)
         comb = torch.softmax(u_comb.view(-1, n, n) * s[2] + b_comb.view(n, n), dim=-1) + hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        # Sinkhorn on a [j, k, T] copy: both sums then run over a leading dim of contiguous token vectors
+        c = comb.permute(1, 2, 0).contiguous()
+        c = c / (c.sum(dim=0, keepdim=True) + hc_eps)
         for _ in range(sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+            c = c / (c.sum(dim=1, keepdim=True) + hc_eps)
+            c = c / (c.sum(dim=0, keepdim=True) + hc_eps)
+        comb = c.permute(2, 0, 1).contiguous()
         collapsed = (pre[..., None] * x.to(acc)).sum(dim=1)
         return collapsed.to(x.dtype), post, comb
 

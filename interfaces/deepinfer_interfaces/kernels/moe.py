@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import acc_dtype, op
@@ -134,8 +136,8 @@ class MoEOps:
 
 #: token x expert rows up to which running every expert on every token is cheaper than grouping
 _DENSE_ROWS = 1024
-#: (token, expert) pairs per tile of the grouped path
-_TILE = 64
+#: the largest tile of (token, expert) pairs in the grouped path
+_MAX_TILE = 256
 
 
 def _dense_experts(x, ids, weights, valid, w13, w2, limit) -> torch.Tensor:
@@ -163,7 +165,9 @@ def _grouped_experts(x, ids, weights, valid, w13, w2, limit) -> torch.Tensor:
     e, two_i, _ = w13.shape
     k = ids.shape[1]
     pairs = t * k
-    tile = min(_TILE, max(1, pairs // e))
+    # each tile copies one expert's weights and each expert's run wastes about half a tile:
+    # tiles near sqrt(pairs / experts) (times the copy-to-compute cost ratio) balance the two
+    tile = min(_MAX_TILE, 1 << max(0, math.isqrt(40 * pairs // e).bit_length() - 1))
     expert = torch.where(valid, ids, e).flatten()  # skipped pairs sort after every expert
     order = torch.argsort(expert, stable=True)
     counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device).scatter_add_(0, expert, torch.ones_like(expert))[:e]
@@ -182,8 +186,8 @@ def _grouped_experts(x, ids, weights, valid, w13, w2, limit) -> torch.Tensor:
     token = torch.where(used, pair_at // k, 0)
     xs = x.to(acc)[token].view(tiles, tile, d)
     h = torch.bmm(xs, w13[tile_expert].to(acc).transpose(1, 2))
-    act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit)
     w = torch.where(used, weights.to(acc).flatten()[pair_at.clamp(min=0)], 0)
+    act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit)
     act = torch.where(used.view(tiles, tile, 1), act * w.view(tiles, tile, 1), 0)
     y = torch.bmm(act, w2[tile_expert].to(acc).transpose(1, 2)).view(rows, d)
     return torch.zeros(t, d, dtype=acc, device=x.device).index_add_(0, token, y)

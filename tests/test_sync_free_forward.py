@@ -1,0 +1,79 @@
+"""The forward never waits for the host: zero graph breaks for decode and mixed steps, and padding changes nothing.
+
+``torch._dynamo.explain`` traces ``model.forward`` over the step's device
+inputs; any ``.item()``, ``nonzero`` or data-dependent shape would show up as a
+graph break. The same inputs padded to larger static sizes (as a captured
+graph runs them) must give the same logits and leave the same cache state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.engine import BUNDLED_MODEL
+from deepinfer.model import Batch, ContiguousCache, DeepseekV4Model, StepLayout, StepShape
+from deepinfer.model.config import CSA, HCA, SLIDING
+from deepinfer.model.inputs import fill_step_inputs, step_inputs
+from deepinfer_interfaces import Kernels
+from tests.helpers.checkpoints import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return DeepseekV4Model.from_pretrained(BUNDLED_MODEL, Kernels(), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def every_type(tmp_path_factory):
+    """Four layers (HCA, CSA, sliding, CSA), a YaRN compress rope, four streams, an active SwiGLU clamp."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ck"), "compressed_yarn")
+    model = DeepseekV4Model.from_pretrained(ckpt, Kernels(), dtype=torch.float32)
+    assert set(model.config.layer_types) == {SLIDING, CSA, HCA}
+    return model
+
+
+def _prefilled(model, lens):
+    cache = ContiguousCache(model.config, len(lens), 160, dtype=torch.float32)
+    slots = [cache.allocate() for _ in lens]
+    model(Batch.build([[(7 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate(lens)], slots, [0] * len(lens)), cache)
+    return cache, slots
+
+
+def _breaks(model, cache, batch) -> tuple[int, int]:
+    cache.begin_forward(batch)
+    explained = torch._dynamo.explain(model.forward)(step_inputs(batch, cache, "cpu"), cache)
+    return explained.graph_break_count, explained.graph_count
+
+
+@pytest.mark.parametrize("which", ["bundled", "every_type"])
+def test_decode_and_mixed_steps_trace_without_graph_breaks(which, request):
+    model = request.getfixturevalue(which)
+    lens = [33, 64, 5]
+    cache, slots = _prefilled(model, lens)
+    decode = Batch.build([[3], [4], [5]], slots, lens)
+    assert _breaks(model, cache, decode) == (0, 1)
+    starts = [n + 1 for n in lens]
+    mixed = Batch.build([[6], list(range(9, 40)), [8]], slots, starts, logits=[[0], [0, 30], [0]])
+    assert _breaks(model, cache, mixed) == (0, 1)
+
+
+def test_padded_inputs_give_the_same_logits_and_cache(every_type):
+    model = every_type
+    lens = [29, 47]
+    runs = []
+    for pad in (False, True):
+        cache, slots = _prefilled(model, lens)
+        batch = Batch.build([[11], [12]], slots, lens)
+        cache.begin_forward(batch)
+        shape = StepShape.padded(8, 8, 8, 160, cache.geometry) if pad else StepShape.exact(batch, cache.geometry)
+        layout = StepLayout(shape, cache.geometry)
+        host = np.empty(layout.numel, dtype=np.int64)
+        fill_step_inputs(host, layout, batch, cache)
+        with torch.inference_mode():
+            logits = model.forward(layout.forward_inputs(torch.from_numpy(host)), cache)
+        runs.append((logits[:2].clone(), [t.clone() for t in cache.pools()]))
+    (a, pools_a), (b, pools_b) = runs
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(pools_a, pools_b))
