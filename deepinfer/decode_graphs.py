@@ -23,6 +23,7 @@ import torch
 
 from deepinfer_interfaces import Device
 
+from .errors import ConfigError
 from .model.batch import Batch
 from .model.cache import ModelCache
 from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
@@ -113,7 +114,14 @@ class DecodeGraphs:
             fill_step_inputs(host, layout, empty, self.cache)  # all padding: the warm-up runs read and write nothing
             buffer = host_tensor.to(self.device.torch_device, copy=True)
             graph = DecodeGraph(size, bucket, layout, host, host_tensor, layout.forward_inputs(buffer))
-            graph.replay = self.device.capture_graph(self._step_fn(graph.inputs), pool)
+            try:
+                graph.replay = self.device.capture_graph(self._step_fn(graph.inputs), pool)
+            except Exception as exc:
+                lines = str(exc).strip().splitlines()
+                raise ConfigError(
+                    f"capturing the decode graph of {size} sequences on {self.device.describe()} failed "
+                    f"({type(exc).__name__}: {lines[0] if lines else ''}); run with enforce_eager=True (--enforce-eager)"
+                ) from None
             self.graphs[(size, bucket)] = graph
             if progress is not None:
                 progress(done + 1, len(keys))

@@ -67,6 +67,8 @@ class Scheduler:
         self.running: list[Request] = []
         #: source request id -> its siblings waiting to start as copies of it
         self._forks: dict[str, list[Request]] = {}
+        #: siblings started as copies in the step being scheduled (they join ``running`` once it is)
+        self._forked: list[Request] = []
         self._finished_ids: list[str] = []
 
     def add(self, req: Request) -> None:
@@ -110,7 +112,7 @@ class Scheduler:
                 i += 1
                 continue
             break
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while self.waiting and budget > 0 and len(self.running) + len(self._forked) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
             if not self.kv.has_free_slot:
                 break
@@ -133,6 +135,8 @@ class Scheduler:
                 self.stats.replayed_tokens += cached - start
             self._emit(out, req, start, n)
             budget -= n
+        self.running.extend(self._forked)
+        self._forked = []
         if out.sequences:
             self.stats.steps += 1
             self.stats.computed_tokens += out.num_tokens
@@ -181,7 +185,8 @@ class Scheduler:
             child.fork_source = None
             if child.finished:
                 continue
-            copies = self.kv.fork(source, child, length) if len(self.running) < self.max_num_seqs else None
+            room = len(self.running) + len(self._forked) < self.max_num_seqs
+            copies = self.kv.fork(source, child, length) if room else None
             if copies is None:
                 self.waiting.append(child)  # no room to copy: it prefills on its own
                 continue
@@ -191,7 +196,7 @@ class Scheduler:
             child.num_cached_tokens = self.kv.shared_tokens(child)
             child.state_floor = source.state_floor
             child.num_pending += 1
-            self.running.append(child)
+            self._forked.append(child)
             self.stats.forked_sequences += 1
             out.sequences.append(ScheduledSequence(
                 request_id=child.request_id,

@@ -22,6 +22,7 @@ import pytest
 
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.graph_devices import make_graph_devices
+from tests.helpers.plugins import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,8 +75,8 @@ WORKLOAD = """
                     cached=m["cached_tokens"], sizes=sizes)
 
     budget = int(sys.argv[2])
-    graph = run("replay", kv_cache_memory=budget)
-    eager = run("replay", kv_cache_memory=budget, enforce_eager=True)
+    graph = run("replay", kv_cache_memory=budget, overlap_scheduling=True)  # placeholders filled into the static buffers
+    eager = run("replay", kv_cache_memory=budget, enforce_eager=True, overlap_scheduling=False)
     diff = max([abs(a[1] - b[1]) for ga, ea in zip(graph["logprobs"], eager["logprobs"]) for pa, pe in zip(ga, ea) for a, b in zip(pa, pe)] or [0.0])
     same_ids = all([a[0] for a in pa] == [b[0] for b in pe] for ga, ea in zip(graph["logprobs"], eager["logprobs"]) for pa, pe in zip(ga, ea))
     print(json.dumps(dict(graph=graph, eager=eager, logprob_diff=diff, same_logprob_ids=same_ids)))
@@ -135,6 +136,18 @@ def test_device_without_graph_capture_runs_eager(ckpt, plugins):
         print(json.dumps(dict(tokens=len(o.outputs[0].token_ids), captured=m["graphs_captured"], replays=m["graph_replays"])))
     """, plugins, str(ckpt))
     assert out == {"tokens": 5, "captured": 0, "replays": 0}
+
+
+def test_failed_capture_is_one_line_naming_the_fix(ckpt, plugins):
+    proc = run_cli(["generate", "--backend", "brokengraph", "--model", str(ckpt), "--prompt", "hi", "--max-model-len", "128",
+                    "--kv-cache-memory", "16000000"], extra_path=plugins)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "capturing the decode graph" in lines[0] and "stream is capturing" in lines[0]
+    assert "enforce_eager=True" in lines[0]
+    ok = run_cli(["generate", "--backend", "brokengraph", "--enforce-eager", "--model", str(ckpt), "--prompt", "hi",
+                  "--max-model-len", "128", "--kv-cache-memory", "16000000", "--max-tokens", "3"], extra_path=plugins)
+    assert ok.returncode == 0, ok.stderr
 
 
 @pytest.mark.slow

@@ -39,6 +39,18 @@ def test_greedy_n4_gives_four_copies_of_n1_and_prefills_once(ckpt, length):
     assert m["forked_sequences"] == 3 and m["generated_tokens"] == 48
 
 
+def test_forks_after_a_chunked_prefill_and_beside_running_requests(ckpt):
+    prompts = [_prompt(60, 8), _prompt(9, 9)]
+    sp = [SamplingParams(n=3, temperature=0, max_tokens=7, ignore_eos=True), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    alone = [_llm(ckpt).generate([p], SamplingParams(temperature=0, max_tokens=s.max_tokens, ignore_eos=True))[0] for p, s in zip(prompts, sp)]
+    for overlap in (False, True):
+        llm = _llm(ckpt, max_prefill_chunk=16, max_num_batched_tokens=24, overlap_scheduling=overlap)
+        outs = llm.generate(prompts, sp)
+        assert [c.token_ids for c in outs[0].outputs] == [alone[0].outputs[0].token_ids] * 3
+        assert outs[1].outputs[0].token_ids == alone[1].outputs[0].token_ids
+        assert llm.get_metrics()["forked_sequences"] == 2
+
+
 def test_seeded_n4_sampling_is_reproducible_and_each_completion_has_its_own_stream(ckpt):
     prompt = _prompt(20, 1)
     sp = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_tokens=10, seed=11, ignore_eos=True)

@@ -6,6 +6,7 @@
   machinery (padding, static buffers, one copy per step, placeholders) exactly.
 - ``stale``: a wrong implementation that replays the outputs of its capture run.
 - ``nograph``: a device without graph capture.
+- ``brokengraph``: a device whose capture fails, as a real one does on an op that syncs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ SOURCE = """
             return lambda: out
 
 
+    class BrokenGraphDevice(ReplayDevice):
+        def capture_graph(self, fn, pool=None):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+
     class NoGraphDevice(CPUDevice):
         def capabilities(self):
             return dataclasses.replace(super().capabilities(), graph_capture=False, graph_by_default=False)
@@ -57,6 +63,12 @@ SOURCE = """
         name = "nograph"
         device = "nograph-cpu"
         priority = -1
+
+
+    class BrokenGraphBackend(CPUBackend):
+        name = "brokengraph"
+        device = "brokengraph-cpu"
+        priority = -1
 """
 
 
@@ -70,11 +82,13 @@ def make_graph_devices(root: Path) -> Path:
                 "replay": "deepinfer_test_graphs:ReplayBackend",
                 "stale": "deepinfer_test_graphs:StaleBackend",
                 "nograph": "deepinfer_test_graphs:NoGraphBackend",
+                "brokengraph": "deepinfer_test_graphs:BrokenGraphBackend",
             },
             "deepinfer.devices": {
                 "replay-cpu": "deepinfer_test_graphs:ReplayDevice",
                 "stale-cpu": "deepinfer_test_graphs:StaleDevice",
                 "nograph-cpu": "deepinfer_test_graphs:NoGraphDevice",
+                "brokengraph-cpu": "deepinfer_test_graphs:BrokenGraphDevice",
             },
         },
         {"deepinfer_test_graphs": SOURCE},

@@ -56,11 +56,13 @@ class MHCOps:
         post = 2 * torch.sigmoid(u_post * s[1] + b_post)
         comb = torch.softmax(u_comb.view(-1, n, n) * s[2] + b_comb.view(n, n), dim=-1) + hc_eps
         # Sinkhorn on a [j, k, T] copy: both sums then run over a leading dim of contiguous token vectors
+        # (eps as a 0-dim tensor of the same dtype: the same value as the float, without wrapping it each time)
         c = comb.permute(1, 2, 0).contiguous()
-        c = c / (c.sum(dim=0, keepdim=True) + hc_eps)
+        eps = torch.full((), hc_eps, dtype=acc, device=x.device)
+        c = c / (c.sum(dim=0, keepdim=True) + eps)
         for _ in range(sinkhorn_iters - 1):
-            c = c / (c.sum(dim=1, keepdim=True) + hc_eps)
-            c = c / (c.sum(dim=0, keepdim=True) + hc_eps)
+            c = c / (c.sum(dim=1, keepdim=True) + eps)
+            c = c / (c.sum(dim=0, keepdim=True) + eps)
         comb = c.permute(2, 0, 1).contiguous()
         collapsed = (pre[..., None] * x.to(acc)).sum(dim=1)
         return collapsed.to(x.dtype), post, comb
