@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from common import add_json_flag, emit_json
+
 from deepinfer.registry import load_part
 from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from deepinfer.structured_output import GrammarCompilerCache, RequestGrammar, allocate_bitmask, fill_batch_bitmask

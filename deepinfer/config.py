@@ -86,21 +86,32 @@ def _read_file(path: str) -> dict[str, Any]:
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """``DEEPINFER_<FIELD>`` values; a list field takes JSON (``[1, 2, 4]``) or commas (``1,2,4``)."""
     out: dict[str, Any] = {}
-    for name in EngineConfig.model_fields:
+    for name, field in EngineConfig.model_fields.items():
         key = ENV_PREFIX + name.upper()
-        if key in env:
-            out[name] = env[key]
+        if key not in env:
+            continue
+        value = env[key]
+        if "list" in str(field.annotation):
+            text = value.strip()
+            try:
+                value = json.loads(text) if text.startswith("[") else [v.strip() for v in text.split(",") if v.strip()]
+            except json.JSONDecodeError:
+                raise ConfigError(f"{key}={value!r} is not a list; give JSON like [1, 2, 4] or 1,2,4") from None
+        out[name] = value
     return out
 
 
 def _describe(exc: ValidationError) -> str:
     err = exc.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or "config"
+    if not err["loc"]:  # a rule across fields
+        return f"invalid config: {err['msg'].removeprefix('Value error, ')}"
+    field = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         known = ", ".join(EngineConfig.model_fields)
         return f"invalid config: unknown field '{field}' (known fields: {known})"
-    return f"invalid config: field '{field}' = {err.get('input')!r}: {err['msg']}"
+    return f"invalid config: field '{field}' = {err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}"
 
 
 def load_config(

@@ -67,3 +67,14 @@ def test_missing_and_malformed_file(tmp_path):
 
 def test_model_is_pydantic():
     assert issubclass(EngineConfig, __import__("pydantic").BaseModel)
+
+
+def test_graph_settings_from_keywords_environment_and_their_errors():
+
+    c = load_config(env={"DEEPINFER_GRAPH_CAPTURE_SIZES": "1,2,4", "DEEPINFER_ENFORCE_EAGER": "false"})
+    assert c.graph_capture_sizes == [1, 2, 4] and c.enforce_eager is False and c.overlap_scheduling is None
+    assert load_config(env={"DEEPINFER_GRAPH_CAPTURE_SIZES": "[8, 16]"}).graph_capture_sizes == [8, 16]
+    with pytest.raises(ConfigError, match=r"^invalid config: graph_capture_sizes go up to 128 but max_num_seqs is 64"):
+        load_config({"graph_capture_sizes": [128]})
+    with pytest.raises(ConfigError, match="graph_capture_sizes.*every size > 0"):
+        load_config({"graph_capture_sizes": [0, 2]})
