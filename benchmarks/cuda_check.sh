@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: conformance of the CUDA backend (its
-# e2e suite replays CUDA graphs against eager), the kernel microbenchmark, decode
+# e2e suite replays CUDA graphs against eager), the kernel microbenchmark, the
+# quantized-weight ops (FP8 GEMM, FP4 experts) against bf16, decode
 # steps with and without CUDA graphs, and greedy generation on --backend cuda vs cpu.
 #
 #   benchmarks/cuda_check.sh [--quick] [--model DIR]
@@ -59,6 +60,11 @@ banner "microbenchmark: Triton kernels vs the torch reference"
 BENCH=$?
 if [ $BENCH -eq 0 ]; then BENCH_MSG="ran"; else BENCH_MSG="ERROR (exit $BENCH)"; fi
 
+banner "quantized ops: FP8 block GEMM and FP4 experts vs bf16"
+"$PY" benchmarks/quantized_ops.py $QUICK
+QUANT=$?
+if [ $QUANT -eq 0 ]; then QUANT_MSG="ran"; else QUANT_MSG="ERROR (exit $QUANT)"; fi
+
 banner "decode steps: CUDA graphs vs eager (step time, launches per step by layer type)"
 "$PY" benchmarks/decode_steps.py --backend cuda --dtype bfloat16 ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} --json
 DECODE=$?
@@ -72,6 +78,7 @@ if [ $E2E -eq 0 ]; then E2E_MSG="tokens match"; else E2E_MSG="FAIL (exit $E2E)";
 banner "summary"
 echo "conformance:   $CONF_MSG   (report: reports/cuda-conformance.json)"
 echo "benchmark:     $BENCH_MSG"
+echo "quantized ops: $QUANT_MSG"
 echo "decode steps:  $DECODE_MSG"
 echo "end to end:    $E2E_MSG"
 exit $STATUS

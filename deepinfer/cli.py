@@ -1,4 +1,4 @@
-"""The ``deepinfer`` command line: ``backends``, ``conformance``, ``generate``.
+"""The ``deepinfer`` command line: ``backends``, ``conformance``, ``generate``, ``inspect``.
 
 User errors print one line and exit with status 2, never a traceback.
 """
@@ -42,7 +42,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     return run(args, cfg.backend, cfg.interpret)
 
 
-def _read_prompts(args: argparse.Namespace) -> list[str]:
+def _read_prompts(args: argparse.Namespace, required: bool = True) -> list[str]:
     from .errors import ConfigError
 
     prompts = list(args.prompt or [])
@@ -52,9 +52,45 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except OSError as exc:
             raise ConfigError(f"cannot read --prompts-file {args.prompts_file}: {exc.strerror}") from None
-    if not prompts:
+    if not prompts and required:
         raise ConfigError("no prompt given; pass --prompt TEXT or --prompts-file FILE")
     return prompts
+
+
+def _read_conversations(args: argparse.Namespace, prompts: list[str]) -> list[tuple[str, list[dict]]]:
+    """``--chat``: (label, conversation) pairs — those of ``--messages FILE``, then one user turn per prompt
+    (after ``--system``). The file's messages are checked here, before the model loads."""
+    from .chat import parse_conversation
+    from .chat.messages import is_single_conversation
+    from .errors import ChatFormatError, ConfigError
+
+    conversations: list[list[dict]] = []
+    if args.messages:
+        try:
+            with open(args.messages, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read --messages {args.messages}: {exc.strerror}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+            raise ConfigError(f"--messages {args.messages} is not valid JSON ({detail})") from None
+        file_convs = [data] if is_single_conversation(data) else data
+        if not isinstance(file_convs, list) or not file_convs:
+            raise ConfigError(f"--messages {args.messages} must hold a list of messages or a list of conversations")
+        for k, conv in enumerate(file_convs):
+            try:
+                parse_conversation(conv)
+            except ChatFormatError as exc:
+                where = f"conversation {k}: " if len(file_convs) > 1 else ""
+                raise ChatFormatError(f"--messages {args.messages}: {where}{exc}") from None
+            conversations.append(conv)
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    conversations += [[*system, {"role": "user", "content": p}] for p in prompts]
+    labels = []
+    for k, conv in enumerate(conversations):
+        users = [m.get("content") for m in conv if m.get("role") == "user" and isinstance(m.get("content"), str)]
+        labels.append(users[-1] if users else f"conversation {k}")
+    return list(zip(labels, conversations))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -64,7 +100,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .errors import ConfigError
     from .sampling_params import StructuredOutputsParams
 
-    prompts = _read_prompts(args)
+    chat = args.chat or args.messages is not None
+    if not chat and (args.thinking or args.system is not None or args.chat_template):
+        raise ConfigError("--thinking, --system and --chat-template format a conversation; add --chat")
+    template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --chat-template {args.chat_template}: {getattr(exc, 'strerror', None) or exc}") from None
+    prompts = _read_prompts(args, required=not args.messages)
+    conversations = _read_conversations(args, prompts) if chat else []
     structured = None
     if args.json_schema:
         try:
@@ -81,15 +128,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     overrides = {
         "backend": args.backend, "kernels": args.kernels, "interpret": args.interpret or None, "dtype": args.dtype,
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory, "seed": args.seed,
-        "enforce_eager": args.enforce_eager,
+        "enforce_eager": args.enforce_eager, "quantization": args.quantization, "expert_parallel_size": args.ep,
+        "num_redundant_experts": args.num_redundant_experts, "eplb_interval": args.eplb_interval,
     }
     if args.stats or args.verbose:
         _log_to_stderr()
     llm = LLM(model=args.model, config=args.config, **overrides)
+    labels: list[str] = prompts
+    inputs: list[str] | list[list[int]] = prompts
+    if chat:
+        labels = [label for label, _ in conversations]
+        chat_prompts = llm.format_chat([c for _, c in conversations], chat_template=template, thinking=args.thinking)
+        inputs = [p.token_ids for p in chat_prompts]
     failed = False
-    if len(prompts) == 1:
+    if len(inputs) == 1:
         printed = 0
-        for out in llm.generate_stream(prompts, params):
+        for out in llm.generate_stream(inputs, params):
             if out.error:
                 print(f"deepinfer: error: {out.error}", file=sys.stderr)
                 return 2
@@ -99,9 +153,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             printed = len(text)
         sys.stdout.write("\n")
     else:
-        outs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty() or args.progress)
+        outs = llm.generate(inputs, params, use_tqdm=sys.stderr.isatty() or args.progress)
         for i, out in enumerate(outs):
-            print(f"=== [{i}] {out.prompt!r}")
+            print(f"=== [{i}] {labels[i]!r}")
             if out.error:
                 failed = True
                 print(f"error: {out.error}")
@@ -110,6 +164,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         print(llm.engine.stats_line(), file=sys.stderr)
     return 2 if failed else 0
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest decimal unit that keeps a leading digit."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from .engine import resolve_model_dir
+    from .weight_memory import weight_memory
+
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    mem = weight_memory(resolve_model_dir(args.model), ep=args.ep, dtype=dtype, quantization=args.quantization)
+    if args.json:
+        print(json.dumps(mem.as_dict()))
+        return 0
+    print(f"weights ({mem.quantization}, the rest in {mem.dtype}):")
+    for kind, n in mem.by_kind.items():
+        print(f"  {kind:<18} {_size(n):>12}")
+    print(f"  {'total':<18} {_size(mem.total_bytes):>12}")
+    print(f"largest rank at --ep {mem.ep}: {_size(mem.per_rank_bytes)} (routed experts split, everything else on every rank)")
+    if mem.checkpoint_bytes is not None:
+        print(f"checkpoint on disk (index total_size, draft layers included): {_size(mem.checkpoint_bytes)}")
+    return 0
 
 
 def _log_to_stderr() -> None:
@@ -136,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF-layout DeepSeek-V4 directory (default: the bundled model)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--chat", action="store_true", help="format each prompt as a user turn with the model's chat format")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
+    p.add_argument(
+        "--messages", metavar="FILE",
+        help="a JSON file of messages (one conversation) or of conversations, each generated with the chat format (implies --chat)",
+    )
+    p.add_argument("--thinking", action="store_true", help="with --chat: open the reply in thinking mode (<think>)")
+    p.add_argument("--chat-template", metavar="FILE", help="with --chat: a Jinja chat template to use instead of the model's format")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -146,7 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default=None)
     p.add_argument("--interpret", action="store_true", help="run Triton kernels on CPU tensors through Triton's interpreter")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization", default=None, choices=["auto", "dequantize"],
+        help="auto (default): keep the checkpoint's FP8/FP4 weights quantized; dequantize: load them in --dtype",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--ep", type=int, default=None,
+        help="expert-parallel degree: spawn this many ranks, one device each (under torchrun: its world size)",
+    )
+    p.add_argument("--num-redundant-experts", type=int, default=None, help="with --ep: extra expert slots per layer for hot-expert replicas")
+    p.add_argument("--eplb-interval", type=int, default=None, help="with --ep: steps between re-placements of the experts (0: never)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
     p.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON matching this schema")
     p.add_argument("--regex", help="constrain the output to this regular expression")
@@ -158,6 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="print the start-up plan (KV cache, graph capture)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("inspect", help="the memory a checkpoint's weights will take, from config.json and the index alone")
+    p.add_argument("--model", default=None, help="HF-layout DeepSeek-V4 directory; only config.json and the index are read")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree: also give the largest rank's share")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="dtype of the unquantized weights")
+    p.add_argument("--quantization", default="auto", choices=["auto", "dequantize"])
+    p.add_argument("--json", action="store_true", help="print one JSON object (total_bytes, per_rank_bytes, by_kind, ep, ...)")
+    p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("conformance", help="check a backend against the reference")
     from deepinfer_conformance.cli import add_arguments

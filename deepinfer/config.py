@@ -29,6 +29,9 @@ class EngineConfig(BaseModel):
     kernels: str | None = Field(None, description="kernel-set plugin overriding the backend's own")
     interpret: bool = Field(False, description="run Triton kernels through Triton's CPU interpreter")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["auto", "dequantize"] = Field(
+        "auto", description="auto: keep the checkpoint's FP8/FP4 weights quantized; dequantize: load every weight in dtype"
+    )
     seed: int = 0
     max_model_len: int | None = Field(None, gt=0)
     max_num_seqs: int = Field(64, gt=0)
@@ -48,7 +51,11 @@ class EngineConfig(BaseModel):
     graph_capture_sizes: list[int] | None = Field(
         None, description="decode batch sizes captured as graphs (default 1, 2, 4, 8, 16, 24, ... up to max_num_seqs)"
     )
-    expert_parallel_size: int = Field(1, gt=0)
+    expert_parallel_size: int = Field(1, gt=0, description="ranks the routed experts are spread over (one device each)")
+    num_redundant_experts: int = Field(0, ge=0, description="extra physical expert slots per layer for replicas of hot experts")
+    eplb_interval: int = Field(0, ge=0, description="steps between expert re-placements from measured load (0: never)")
+    eplb_window: int = Field(64, gt=0, description="steps of load the balancer plans from")
+    ep_timeout_s: float = Field(30.0, gt=0, description="seconds a rank waits in a collective before the group is declared failed")
 
     @field_validator("graph_capture_sizes")
     @classmethod

@@ -25,7 +25,8 @@ from .loader import load_tokenizer, read_generation_config
 from .model.config import CSA, ModelConfig
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
-from .registry import select_backend
+from .parallel.expert_parallel import ExpertParallel
+from .registry import SelectedBackend, select_backend
 from .request import Request, RequestStatus
 from .sampler import to_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
@@ -68,12 +69,15 @@ def replay_length(config: ModelConfig, mode: str) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, backend: SelectedBackend | None = None, sharding: ExpertParallel | None = None) -> None:
+        """``sharding``: this engine is one rank of an expert-parallel group (its requests are its share;
+        every ``step`` runs exactly one forward, empty when it has nothing, in lockstep with the others)."""
         self.config = config
         self.stats = EngineStats()
-        self.backend = select_backend(config.backend, config.kernels, config.interpret)
+        self.backend = backend or select_backend(config.backend, config.kernels, config.interpret)
         model_dir = resolve_model_dir(config.model)
-        self.runner = ModelRunner(self.backend, model_dir, config, self.stats)
+        self.sharding = sharding
+        self.runner = ModelRunner(self.backend, model_dir, config, self.stats, sharding)
         self.tokenizer = load_tokenizer(model_dir)
         mc = self.runner.config
         self.vocab_size = mc.vocab_size
@@ -95,6 +99,7 @@ class Engine:
         self._grammar_cache: GrammarCompilerCache | None = None
         overlap = config.overlap_scheduling
         self.overlap = self.backend.device.capabilities().asynchronous if overlap is None else overlap
+        self.overlap = self.overlap and sharding is None  # lockstep: one forward per step, in order
         self.executor = StepExecutor(self.runner, threaded=self.overlap)
         self._inflight: deque[tuple[Step, Future]] = deque()
 
@@ -111,9 +116,17 @@ class Engine:
         start = hit - self.replay_tokens
         return start if start > 0 else None
 
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.runner.config
+
     def get_metrics(self) -> dict[str, Any]:
-        """The engine's counters (what ``--stats`` prints)."""
-        return self.stats.as_dict()
+        """The engine's counters (what ``--stats`` prints); under expert parallelism also the EP figures
+        (a collective: every rank asks in the same step)."""
+        out = self.stats.as_dict()
+        if self.sharding is not None:
+            out["expert_parallel"] = self.sharding.metrics()
+        return out
 
     # ----- requests -----
 
@@ -229,10 +242,13 @@ class Engine:
             if not self._inflight:
                 self._fill_grammar(step)  # nothing pending: the masks can be written now
             self._inflight.append((step, self.executor.submit(step)))
-        elif not self._inflight and self.scheduler.waiting and not self.scheduler.running:
-            req = self.scheduler.waiting[0]
-            self._fail(req, f"the request needs {self.kv.blocks_for(req.num_tokens)} cache blocks but the cache has {self.kv.pool.num_blocks}; raise kv_cache_memory")
-            changed.append(req)
+        else:
+            if not self._inflight and self.scheduler.waiting and not self.scheduler.running:
+                req = self.scheduler.waiting[0]
+                self._fail(req, f"the request needs {self.kv.blocks_for(req.num_tokens)} cache blocks but the cache has {self.kv.pool.num_blocks}; raise kv_cache_memory")
+                changed.append(req)
+            if self.sharding is not None:
+                self.runner.execute_idle()  # the other ranks' tokens still reach this rank's experts
         keep = 1 if (self.overlap and step is not None) else 0
         while len(self._inflight) > keep:
             done, fut = self._inflight.popleft()

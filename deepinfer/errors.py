@@ -15,3 +15,11 @@ class ConfigError(DeepInferError):
 
 class CheckpointError(DeepInferError):
     """A model directory, checkpoint, tokenizer or config file that cannot be loaded."""
+
+
+class ChatFormatError(DeepInferError, ValueError):
+    """A conversation that cannot be formatted: a malformed message, an unsupported option, or no chat format."""
+
+
+class RankFailure(DeepInferError):
+    """A rank of an expert-parallel group died or stopped answering; every rank has been stopped."""

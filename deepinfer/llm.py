@@ -6,8 +6,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from tokenizers import Tokenizer
 
+from .chat import ChatFormat, ChatPrompt, Conversation, chat_format_for, format_chat
 from .config import load_config
-from .engine import Engine
+from .engine import resolve_model_dir
+from .parallel.engines import make_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -24,7 +26,14 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, config: str | None = None, **kwargs: Any) -> None:
         self.config = load_config({"model": model, **kwargs}, config)
-        self.engine = Engine(self.config)
+        self.engine = make_engine(self.config)
+        self._default_chat_format: ChatFormat | None = None
+
+    def close(self) -> None:
+        """Stop the engine's rank processes (expert parallelism); the engine is unusable afterwards."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -96,6 +105,75 @@ class LLM:
         outputs = [self.engine.output(self.engine.requests[i]) for i in ids]
         self.engine.release(ids)
         return outputs
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: Params | Sequence[Params] | None = None,
+        use_tqdm: bool = False,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        thinking: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation, or to each of a list of them, like vLLM's ``LLM.chat``.
+
+        ``messages`` are dicts with ``role`` (system, user, assistant, tool,
+        developer) and ``content``; assistant turns may carry ``reasoning_content``
+        and ``tool_calls``. Each conversation is formatted with the model's chat
+        format (see ``format_chat``) and generated like a ``generate`` prompt;
+        ``RequestOutput.prompt`` is the formatted text. ``thinking=True`` (or
+        ``chat_template_kwargs={"thinking": True}``) opens the reply in thinking
+        mode. A malformed conversation, or a model with no chat format, raises
+        ``ChatFormatError`` (one line).
+        """
+        prompts = self.format_chat(
+            messages, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, thinking=thinking,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tools=tools,
+        )
+        outputs = self.generate([p.token_ids for p in prompts], sampling_params, use_tqdm)
+        for out, prompt in zip(outputs, prompts):
+            out.prompt = prompt.text
+        return outputs
+
+    def format_chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        thinking: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[ChatPrompt]:
+        """The prompt text and token ids ``chat`` would generate from, one per conversation.
+
+        The format is ``chat_template`` if given, else the checkpoint's Jinja
+        chat template, else the DeepSeek-V4 encoder when the tokenizer has the V4
+        chat tokens. The text is encoded without adding special tokens (the
+        format writes the BOS); special-token text inside content is not escaped.
+        """
+        kwargs = dict(chat_template_kwargs or {})
+        if thinking:
+            kwargs["thinking"] = True
+        return format_chat(
+            self._chat_format(chat_template), self.engine.tokenizer, messages, tools=tools,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, kwargs=kwargs,
+        )
+
+    def _chat_format(self, chat_template: str | None) -> ChatFormat:
+        if chat_template is None and self._default_chat_format is not None:
+            return self._default_chat_format
+        fmt = chat_format_for(
+            resolve_model_dir(self.config.model), self.engine.tokenizer, self.engine.model_config.model_type, chat_template
+        )
+        if chat_template is None:
+            self._default_chat_format = fmt
+        return fmt
 
 
 class _Progress:

@@ -28,6 +28,7 @@ from .model.cache import ModelCache
 from .model.cache_spec import CacheGeometry, block_size_for
 from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
 from .model.model import DeepseekV4Model
+from .parallel.expert_parallel import ExpertParallel
 from .registry import SelectedBackend
 from .sampler import Sampler, top_logprobs
 from .stats import EngineStats
@@ -85,14 +86,28 @@ def plan_cache(geometry: CacheGeometry, budget: int, slots: int, max_model_len: 
 
 
 class ModelRunner:
-    def __init__(self, selected: SelectedBackend, model_dir: str | Path, cfg: EngineConfig, stats: EngineStats | None = None) -> None:
+    def __init__(
+        self,
+        selected: SelectedBackend,
+        model_dir: str | Path,
+        cfg: EngineConfig,
+        stats: EngineStats | None = None,
+        sharding: ExpertParallel | None = None,
+    ) -> None:
+        """``sharding``: this rank's expert parallelism (the model then holds only its experts and every
+        step, even an empty one, joins the other ranks' dispatch and combine)."""
+        self.sharding = sharding
         self.device = selected.device
         self.kernels = selected.kernels
         self.torch_device = self.device.torch_device
         self.dtype = self._dtype(cfg.dtype)
         self.stats = stats if stats is not None else EngineStats()
         self.device.manual_seed(cfg.seed)
-        self.model = DeepseekV4Model.from_pretrained(model_dir, self.kernels, dtype=self.dtype, device=self.torch_device)
+        self.model = DeepseekV4Model.from_pretrained(
+            model_dir, self.kernels, dtype=self.dtype, device=self.torch_device, quantization=cfg.quantization, sharding=sharding
+        )
+        if sharding is not None:
+            sharding.moe_layers = [layer.ffn for layer in self.model.layers]
         self.config = self.model.config
         self.max_model_len = cfg.max_model_len or min(self.config.max_position_embeddings, 32768)
         if self.max_model_len > self.config.max_position_embeddings:
@@ -144,6 +159,10 @@ class ModelRunner:
 
     def _graph_mode(self, cfg: EngineConfig) -> bool:
         caps = self.device.capabilities()
+        if self.sharding is not None:
+            if cfg.enforce_eager is False:
+                log.warning("expert-parallel ranks run eager: decode graphs are not captured under --ep")
+            return False
         if not caps.graph_capture:
             if cfg.enforce_eager is False:
                 log.warning(f"device {self.device.type} has no graph capture; running eager")
@@ -162,7 +181,13 @@ class ModelRunner:
             self.cache.set_sequence(s.slot, s.block_table, s.state_floor, s.shared_prefix_tokens)
         batch, rows, placeholders = self._batch(step)
         graph = self._graph_for(step, batch)
+        if self.sharding is not None:
+            self.sharding.begin_step(batch.num_tokens, all(s.is_decode for s in step.sequences if s.num_tokens))
         logits = self._forward(batch, placeholders, graph) if batch.num_seqs else None
+        if self.sharding is not None:
+            if not batch.num_seqs:
+                self.model.join_step()
+            self.sharding.end_step()
         for s in step.sequences:
             if s.fork is not None:
                 self.cache.fork(s.fork.source_slot, s.slot, list(s.fork.block_copies))
@@ -175,6 +200,17 @@ class ModelRunner:
                 prompt_lps[s.request_id] = (s.start + 1, scored)
         tokens = self._sample(step, logits, rows)
         return StepResult(tokens, prompt_lps, time.perf_counter() - t0, graph is not None)
+
+    @torch.inference_mode()
+    def execute_idle(self) -> None:
+        """A step with nothing to compute on this rank: under expert parallelism it still serves the
+        other ranks' tokens routed to its experts, in every layer."""
+        if self.sharding is not None:
+            t0 = time.perf_counter()
+            self.sharding.begin_step(0, True)
+            self.model.join_step()
+            self.sharding.end_step()
+            self.stats.forward_seconds += time.perf_counter() - t0
 
     def _batch(self, step: Step) -> tuple[Batch, dict[str, list[int]], np.ndarray]:
         """The step's sequences that bring tokens as one batch; each one's logits rows; and for every

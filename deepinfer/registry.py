@@ -163,14 +163,18 @@ class SelectedBackend:
     kernels_name: str
     interpret: bool = False
 
-    def make_communicator(self, rank: int = 0, world_size: int = 1, init_method: str | None = None) -> Communicator:
-        """A communicator for this rank over the device's distributed backend."""
+    def make_communicator(
+        self, rank: int = 0, world_size: int = 1, init_method: str | None = None, timeout_s: float | None = None
+    ) -> Communicator:
+        """A communicator for this rank over the device's distributed backend (collectives bounded by ``timeout_s``)."""
+        extra = {} if timeout_s is None else {"timeout_s": timeout_s}
         return self.communicator_cls(
             dist_backend=self.device.dist_backend,
             rank=rank,
             world_size=world_size,
             init_method=init_method,
             device=self.device.torch_device,
+            **extra,
         )
 
 

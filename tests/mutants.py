@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_interfaces import Kernels
+from deepinfer_interfaces import Kernels, QuantizedWeight
 
 
 class NoEpsKernels(Kernels):
@@ -114,7 +114,35 @@ class ShortSinkhornKernels(Kernels):
 
 
 #: entry-point name -> class name, for the test's dist-info
+class FP8LastBlockScaleKernels(Kernels):
+    """FP8 linear whose scale index is off by one on the last block of columns: it reuses its neighbour's scale."""
+
+    name = "mutant-fp8-last-block-scale"
+
+    def fp8_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        scales = weight.scales.clone()
+        if scales.shape[-1] > 1:
+            scales[..., -1] = scales[..., -2]
+        return super().fp8_linear(x, QuantizedWeight(weight.codes, scales, weight.block, weight.fmt))
+
+
+class FP4SwappedNibblesKernels(Kernels):
+    """FP4 experts decoded high nibble first: each packed pair of values comes out swapped."""
+
+    name = "mutant-fp4-swapped-nibbles"
+
+    def moe_experts_quantized(self, x, topk_ids, topk_weights, w13: QuantizedWeight, w2: QuantizedWeight, limit):
+        def swap(w: QuantizedWeight) -> QuantizedWeight:
+            if w.fmt != "e2m1":
+                return w
+            c = w.codes
+            return QuantizedWeight(((c & 0x0F) << 4) | (c >> 4), w.scales, w.block, w.fmt)
+
+        return super().moe_experts_quantized(x, topk_ids, topk_weights, swap(w13), swap(w2), limit)
+
+
 MUTANTS = {cls.name: cls.__name__ for cls in (
     NoEpsKernels, RopeHalvesKernels, NoSinkKernels, WindowShortKernels,
     NoRouteBiasKernels, NoRenormKernels, NoClampKernels, ShortSinkhornKernels,
+    FP8LastBlockScaleKernels, FP4SwappedNibblesKernels,
 )}

@@ -19,10 +19,10 @@ VERBS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"
 class DropLastToken(TorchDistributedCommunicator):
     """Dispatch forgets each rank's last token: it is never sent to any expert."""
 
-    def dispatch(self, hidden, topk_ids, topk_weights, expert_rank, expert_local):
+    def dispatch(self, hidden, topk_ids, topk_weights, expert_rank, expert_local, capacity=None):
         ids = topk_ids.clone()
         ids[-1:] = -1
-        return super().dispatch(hidden, ids, topk_weights, expert_rank, expert_local)
+        return super().dispatch(hidden, ids, topk_weights, expert_rank, expert_local, capacity)
 
 
 class HangingBarrier(TorchDistributedCommunicator):
@@ -42,7 +42,7 @@ def test_cli_comm_suite_passes_on_cpu(tmp_path):
     assert len(results) == len(comm_cases(2)) + len(comm_cases(4))
     assert {r["suite"] for r in results} == {"comm"} and {r["op"] for r in results} == VERBS
     assert {r["case"].split("_")[0] for r in results} == {"world2", "world4"}
-    assert {"world4_uneven", "world4_empty_sends", "world4_large_uneven", "world2_skewed"} <= {r["case"] for r in results}
+    assert {"world4_uneven", "world4_empty_sends", "world4_large_uneven", "world2_skewed", "world4_skewed_fixed_capacity"} <= {r["case"] for r in results}
     assert all(r["status"] == "pass" for r in results), [r for r in results if r["status"] != "pass"]
 
 
@@ -52,6 +52,7 @@ def test_dispatch_that_drops_a_token_fails():
     assert {op for op, _, _ in bad} == {"dispatch", "combine"}
     assert all(r.status == "fail" for r in bad.values()), [r.message for r in bad.values()]
     assert ("dispatch", "world2_uneven", "bfloat16") in bad and ("combine", "world2_skewed", "float32") in bad
+    assert ("dispatch", "world2_uneven_fixed_capacity", "float32") in bad and ("combine", "world2_skewed_fixed_capacity", "float32") in bad
     assert "received" in bad[("dispatch", "world2_uneven", "float32")].message
     assert "combined hidden" in bad[("combine", "world2_uneven", "float32")].message
 

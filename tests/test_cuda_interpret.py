@@ -21,6 +21,8 @@ OWN_OPS = {
     # the DeepSeek-V4 model ops
     "cache_write", "sparse_attention", "indexer_scores", "compress_kv", "mhc_pre", "mhc_post", "mhc_head",
     "moe_route", "hash_route", "swiglu", "moe_experts",
+    # quantized weights
+    "fp8_linear", "moe_experts_quantized",
 }
 
 
@@ -316,6 +318,88 @@ def test_model_kernels_match_reference_beyond_spec_shapes() -> None:
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
 
 
+# The quantized-weight kernels past the op specs: both FP8 linear paths forced, split-K decode
+# shapes, partial blocks on both axes, FP4 codes in the linear, codes stored as float8 or bytes,
+# strided activations, FP8 expert stacks with partial 128-blocks. The FP8 tensor-core path is
+# held to a torch emulation of its own numerics (per-token 1 x 128 e4m3 activations), far tighter
+# than the op spec's bound; scales the kernels cannot read fall back to the reference.
+_QUANT_OPS_BEYOND_SPECS = textwrap.dedent(
+    """
+    import sys, torch
+    from deepinfer_interfaces import Kernels
+    from deepinfer_interfaces.quant import QuantizedWeight, quantize
+    from deepinfer_cuda.kernels import CUDAKernels
+    from deepinfer_cuda import triton_fp8
+
+    ref, cu = Kernels(), CUDAKernels()
+    g = torch.Generator().manual_seed(0)
+
+    def close(a, b, tol):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+        err = ((a.double() - b.double()).abs() / (1 + b.double().abs())).max().item()
+        assert err <= tol, err
+
+    def weight(n, k, fmt, block, ue8m0=True):
+        w = torch.randn(n, k, generator=g) * k**-0.5
+        w = w * (torch.rand(-(-n // block[0]), 1, generator=g) * 3 + 0.25).repeat_interleave(block[0], 0)[:n]
+        return quantize(w, fmt, block, ue8m0)
+
+    def emulate_fp8(x, w):
+        # what the FP8 path computes: e4m3 activations per token and 128 columns, fp32 products
+        xf = x.float()
+        t, k = xf.shape
+        pad = -k % 128
+        groups = torch.nn.functional.pad(xf, (0, pad)).view(t, -1, 128)
+        scale = groups.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
+        q = (groups / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+        return (q.view(t, -1)[:, :k] @ w.dequantize(torch.float32).t()).to(x.dtype)
+
+    for t, n, k, ue8m0, dt in ((1, 200, 1000, True, torch.bfloat16), (33, 136, 300, False, torch.float16), (9, 64, 256, True, torch.bfloat16)):
+        w = weight(n, k, "e4m3", (128, 128), ue8m0)
+        raw = QuantizedWeight(w.codes.view(torch.uint8), w.scales, w.block, w.fmt)
+        x32 = torch.randn(t, k, generator=g)
+        close(cu.fp8_linear(x32, w), ref.fp8_linear(x32, w), 1e-5)
+        x = x32.to(dt)
+        assert triton_fp8.uses_fp8_dot(x, w)
+        close(triton_fp8.fp8_linear(x, raw, fp8_dot=True), emulate_fp8(x, w), 2e-2)
+        close(triton_fp8.fp8_linear(x, w, fp8_dot=False), ref.fp8_linear(x, w), 2e-2)
+    wide = torch.randn(4, 700, generator=g)[:, 50:650]
+    w = weight(72, 600, "e4m3", (128, 128))
+    close(cu.fp8_linear(wide, w), ref.fp8_linear(wide, w), 1e-5)
+    for n, k, block in ((48, 320, (1, 32)), (40, 96, (16, 32))):
+        w = weight(n, k, "e2m1", block)
+        x = torch.randn(5, k, generator=g)
+        assert not triton_fp8.uses_fp8_dot(x.bfloat16(), w)
+        close(cu.fp8_linear(x, w), ref.fp8_linear(x, w), 1e-5)
+        close(cu.fp8_linear(x.bfloat16(), w), ref.fp8_linear(x.bfloat16(), w), 2e-2)
+    odd = weight(64, 256, "e4m3", (128, 128), ue8m0=False)
+    odd = QuantizedWeight(odd.codes, odd.scales.to(torch.bfloat16), odd.block, odd.fmt)
+    x = torch.randn(3, 256, generator=g)
+    close(cu.fp8_linear(x, odd), ref.fp8_linear(x, odd), 1e-6)
+
+    for fmt, block, d, i in (("e4m3", (128, 128), 160, 192), ("e2m1", (1, 32), 96, 64)):
+        e, t, top = 5, 13, 3
+        w13 = quantize(torch.randn(e, 2 * i, d, generator=g) * d**-0.5 * 2, fmt, block)
+        w2 = quantize(torch.randn(e, d, i, generator=g) * i**-0.5 * 2, fmt, block, ue8m0=fmt == "e2m1")
+        ids = torch.stack([torch.randperm(e + 1, generator=g)[:top] - 1 for _ in range(t)])
+        tw = torch.rand(t, top, generator=g)
+        x = torch.randn(t, d, generator=g)
+        for limit in (None, 3.0):
+            close(cu.moe_experts_quantized(x, ids, tw, w13, w2, limit), ref.moe_experts_quantized(x, ids, tw, w13, w2, limit), 1e-5)
+        xb = x.bfloat16()
+        close(cu.moe_experts_quantized(xb, ids, tw, w13, w2, 3.0), ref.moe_experts_quantized(xb, ids, tw, w13, w2, 3.0), 3e-2)
+    for mod in ("triton_fp8", "triton_dequant", "triton_experts"):
+        assert "deepinfer_cuda." + mod in sys.modules, mod
+    print("ok")
+    """
+)
+
+
+def test_quantized_kernels_match_reference_beyond_spec_shapes() -> None:
+    proc = _run(["-c", _QUANT_OPS_BEYOND_SPECS], interpret=True, timeout=400)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
 def test_cpu_tensors_without_interpreter_are_refused_clearly() -> None:
     script = textwrap.dedent(
         """
@@ -406,7 +490,9 @@ _COMPILE_MODEL_KERNELS_FOR_GPUS = textwrap.dedent(
     attn = dict(q_ptr=bf, kv_ptr=bf, idx_ptr=pl, sink_ptr=pf, out_ptr=bf, part_m_ptr=pf, part_l_ptr=pf, H=i32, D=i32, K=i32,
                 N=i32, SLICE=i32, qk_scale=f32, stride_qt=i64, stride_qh=i64, stride_kv=i64, stride_it=i64, stride_ot=i64,
                 stride_oh=i64)
-    expert = dict(pairs_ptr=pl, block_expert_ptr="*i32", E=i32, N=i32, K=i32, stride_we=i64, stride_wn=i64)
+    expert = dict(pairs_ptr=pl, block_expert_ptr="*i32", E=i32, N=i32, K=i32, stride_we=i64, stride_wn=i64, s_ptr=bf,
+                  stride_se=i64, stride_sn=i64)
+    plain = dict(FMT=0, BN_W=1, BK_W=1, UE8M0=False)
     cases = [
         # the largest tiles of the autotuned kernels, at V4-Flash head sizes
         (triton_attention._sparse_attention_kernel, attn,
@@ -450,9 +536,9 @@ _COMPILE_MODEL_KERNELS_FOR_GPUS = textwrap.dedent(
          dict(gate_ptr=bf, up_ptr=bf, out_ptr=bf, W=i32, stride_g=i64, stride_u=i64, stride_o=i64, limit=f32),
          dict(HAS_LIMIT=True, BLOCK=2048), 8, 1),
         (triton_experts._up_kernel, dict(expert, x_ptr=bf, w_ptr=bf, act_ptr=bf, TOPK=i32, stride_x=i64, stride_a=i64, limit=f32),
-         dict(HAS_LIMIT=True, DOT=tl.bfloat16, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), 8, 3),
+         dict(HAS_LIMIT=True, **plain, DOT=tl.bfloat16, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), 8, 3),
         (triton_experts._down_kernel, dict(expert, act_ptr=bf, w_ptr=bf, y_ptr=pf, weights_ptr=pf, stride_a=i64, stride_y=i64),
-         dict(DOT=tl.bfloat16, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), 8, 3),
+         dict(**plain, DOT=tl.bfloat16, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), 8, 3),
         (triton_experts._sum_kernel,
          dict(y_ptr=pf, ids_ptr=pl, out_ptr=bf, E=i32, D=i32, TOPK=i32, stride_y=i64, stride_o=i64), dict(BLOCK_D=1024), 4, 1),
         (triton_cache._cache_write_kernel,
@@ -469,3 +555,69 @@ _COMPILE_MODEL_KERNELS_FOR_GPUS = textwrap.dedent(
 def test_model_kernels_compile_for_hopper_and_blackwell() -> None:
     proc = _run(["-c", _COMPILE_MODEL_KERNELS_FOR_GPUS], interpret=False, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok 32", proc.stdout + proc.stderr
+
+
+# The quantized-weight kernels at their largest tiles, lowered for sm_90 and sm_100: each fits
+# the shared memory one block may use, and the FP8 GEMM runs on FP8 tensor cores (wgmma with
+# e4m3 operands on Hopper, tcgen05 f8f6f4 on Blackwell), not on upcast 16-bit operands.
+_COMPILE_QUANT_KERNELS_FOR_GPUS = textwrap.dedent(
+    """
+    import triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.autotuner import Autotuner
+    from deepinfer_cuda import triton_experts, triton_fp8
+
+    SMEM_LIMIT = 227 * 1024
+    FP8_MMA = {90: "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3", 100: "kind::f8f6f4"}
+
+    def compile_for(kernel, sig, consts, warps, arch, stages):
+        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        signature = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
+        target = GPUTarget("cuda", arch, 32)
+        options = make_backend(target).parse_options({"num_warps": warps, "num_stages": stages}).__dict__
+        compiled = triton.compile(ASTSource(fn, signature, consts), target=target, options=options)
+        assert compiled.asm["cubin"] and compiled.metadata.shared <= SMEM_LIMIT, (fn.__name__, compiled.metadata.shared)
+        return compiled
+
+    i32, i64, f32, bf, pf, pl, u8, f8 = "i32", "i64", "fp32", "*bf16", "*fp32", "*i64", "*u8", "*fp8e4nv"
+    expert = dict(pairs_ptr=pl, block_expert_ptr="*i32", E=i32, N=i32, K=i32, stride_we=i64, stride_wn=i64, w_ptr=u8,
+                  stride_se=i64, stride_sn=i64)
+    up = dict(expert, x_ptr=bf, act_ptr=bf, TOPK=i32, stride_x=i64, stride_a=i64, limit=f32)
+    down = dict(expert, act_ptr=bf, y_ptr=pf, weights_ptr=pf, stride_a=i64, stride_y=i64)
+    tile = dict(DOT=tl.bfloat16, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+    fp4 = dict(FMT=2, BN_W=1, BK_W=32, UE8M0=True)
+    fp8 = dict(FMT=1, BN_W=128, BK_W=128, UE8M0=False)
+    gemm = dict(q_ptr=f8, qs_ptr=pf, w_ptr=u8, ws_ptr=u8, out_ptr=bf, M=i32, N=i32, K=i32, SLICE=i32, stride_q=i64,
+                stride_qs=i64, stride_wn=i64, stride_sn=i64, stride_o=i64)
+    deq = dict(x_ptr=bf, w_ptr=u8, s_ptr=u8, out_ptr=pf, M=i32, N=i32, K=i32, SLICE=i32, stride_x=i64, stride_wn=i64,
+               stride_sn=i64, stride_o=i64)
+    big_gemm = (triton_fp8._fp8_gemm_kernel, gemm,
+                dict(BN_W=128, BK_W=128, UE8M0=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128), 8, 3)
+    cases = [
+        (triton_experts._up_kernel, dict(up, s_ptr=u8), dict(HAS_LIMIT=True, **fp4, **tile), 8, 3),
+        (triton_experts._down_kernel, dict(down, s_ptr=u8), dict(**fp4, **tile), 8, 3),
+        (triton_experts._up_kernel, dict(up, s_ptr=pf), dict(HAS_LIMIT=True, **fp8, **tile), 8, 3),
+        (triton_experts._down_kernel, dict(down, s_ptr=pf), dict(**fp8, **tile), 8, 3),
+        (triton_fp8._act_quant_kernel, dict(x_ptr=bf, q_ptr=f8, s_ptr=pf, T=i32, K=i32, stride_x=i64, stride_q=i64, stride_s=i64),
+         dict(INTEGER_CAST=False, BLOCK_T=16, GROUP=128), 4, 1),
+        big_gemm,
+        (triton_fp8._fp8_gemm_kernel, dict(gemm, ws_ptr=pf, out_ptr=pf),
+         dict(BN_W=128, BK_W=128, UE8M0=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), 4, 4),
+        (triton_fp8._dequant_gemm_kernel, deq, dict(**fp4, DOT=tl.bfloat16, PREC="tf32", BLOCK_M=128, BLOCK_N=128, BLOCK_K=128), 8, 3),
+        (triton_fp8._dequant_gemm_kernel, dict(deq, s_ptr=pf),
+         dict(**fp8, DOT=tl.bfloat16, PREC="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64), 4, 3),
+    ]
+    for arch in (90, 100):
+        for kernel, sig, consts, warps, stages in cases:
+            compiled = compile_for(kernel, sig, consts, warps, arch, stages)
+            if (kernel, consts) == big_gemm[:3:2]:
+                assert FP8_MMA[arch] in compiled.asm["ptx"], arch
+    print("ok", 2 * len(cases))
+    """
+)
+
+
+def test_quantized_kernels_compile_for_hopper_and_blackwell_with_fp8_tensor_cores() -> None:
+    proc = _run(["-c", _COMPILE_QUANT_KERNELS_FOR_GPUS], interpret=False, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok 18", proc.stdout + proc.stderr

@@ -15,10 +15,19 @@ from deepinfer.errors import CheckpointError, DeepInferError
 from deepinfer.loader import (
     load_tokenizer,
     load_weights,
-    quantize_fp8_blockwise,
+    model_name,
     read_config,
     read_generation_config,
 )
+
+from deepinfer_interfaces.quant import quantize
+
+
+def quantize_fp8_blockwise(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes and float32 block scales of ``w`` (as V3 and V4-Flash-Base checkpoints store them)."""
+    q = quantize(w, "e4m3", block, ue8m0=False)
+    return q.codes, q.scales
+
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
@@ -29,10 +38,10 @@ def write_config(directory: Path, **extra) -> None:
 
 
 def params_like(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Preallocated params with the checkpoint's names and shapes, filled with a sentinel."""
+    """Preallocated params under the model names of the checkpoint's tensors, their shapes, filled with a sentinel."""
     out = {}
     for name, t in tensors.items():
-        out[name] = torch.full(t.shape, 7, dtype=dtype or t.dtype)
+        out[model_name(name)] = torch.full(t.shape, 7, dtype=dtype or t.dtype)
     return out
 
 
@@ -128,15 +137,15 @@ def test_load_single_file_casts_and_keeps_mtp(simple_ckpt):
     directory, tensors = simple_ckpt
     main = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
     params = params_like(main)
-    params["embed.weight"] = torch.zeros(16, 8, dtype=torch.bfloat16)  # cast fp32 -> bf16
-    params["layers.0.attn.wq_a.weight"] = torch.nn.Parameter(torch.zeros(4, 8))  # cast bf16 -> fp32, grad param
-    params["layers.0.ffn.gate.tid2eid"] = torch.zeros(16, 2, dtype=torch.int32)  # int64 -> int32
+    params[model_name("embed.weight")] = torch.zeros(16, 8, dtype=torch.bfloat16)  # cast fp32 -> bf16
+    params[model_name("layers.0.attn.wq_a.weight")] = torch.nn.Parameter(torch.zeros(4, 8))  # cast bf16 -> fp32, grad param
+    params[model_name("layers.0.ffn.gate.tid2eid")] = torch.zeros(16, 2, dtype=torch.int32)  # int64 -> int32
     kept = load_weights(params, directory)
 
-    assert torch.equal(params["embed.weight"], tensors["embed.weight"].to(torch.bfloat16))
-    assert torch.equal(params["layers.0.attn.wq_a.weight"].data, tensors["layers.0.attn.wq_a.weight"].float())
-    assert torch.equal(params["layers.0.ffn.gate.tid2eid"], tensors["layers.0.ffn.gate.tid2eid"].int())
-    assert torch.equal(params["norm.weight"], tensors["norm.weight"])
+    assert torch.equal(params[model_name("embed.weight")], tensors["embed.weight"].to(torch.bfloat16))
+    assert torch.equal(params[model_name("layers.0.attn.wq_a.weight")].data, tensors["layers.0.attn.wq_a.weight"].float())
+    assert torch.equal(params[model_name("layers.0.ffn.gate.tid2eid")], tensors["layers.0.ffn.gate.tid2eid"].int())
+    assert torch.equal(params[model_name("norm.weight")], tensors["norm.weight"])
     assert list(kept) == ["mtp.0.enorm.weight"]
     assert torch.equal(kept["mtp.0.enorm.weight"], tensors["mtp.0.enorm.weight"])
 
@@ -159,15 +168,15 @@ def test_load_sharded_with_index_and_cross_shard_scale(tmp_path):
     save_file({"stray.weight": torch.ones(1)}, str(tmp_path / "not-in-index.safetensors"))  # ignored: not indexed
 
     params = {
-        "embed.weight": torch.zeros(10, 6),
-        "layers.0.attn.wq_a.weight": torch.zeros(40, 24),
-        "norm.weight": torch.zeros(6),
+        model_name("embed.weight"): torch.zeros(10, 6),
+        model_name("layers.0.attn.wq_a.weight"): torch.zeros(40, 24),
+        model_name("norm.weight"): torch.zeros(6),
         "head.weight": torch.zeros(10, 6, dtype=torch.float16),
     }
     kept = load_weights(params, tmp_path)
-    assert torch.equal(params["embed.weight"], shards["model-00001-of-00003.safetensors"]["embed.weight"])
+    assert torch.equal(params[model_name("embed.weight")], shards["model-00001-of-00003.safetensors"]["embed.weight"])
     assert torch.equal(params["head.weight"], shards["model-00003-of-00003.safetensors"]["head.weight"].half())
-    assert torch.equal(params["layers.0.attn.wq_a.weight"], block_reference(w_fp8, scale, (16, 16)))
+    assert torch.equal(params[model_name("layers.0.attn.wq_a.weight")], block_reference(w_fp8, scale, (16, 16)))
     assert set(kept) == {"mtp.0.hnorm.weight"}
 
 
@@ -177,10 +186,11 @@ def test_keep_prefixes_and_declared_scales_load_raw(tmp_path):
         {"a.weight": w_fp8, "a.weight_scale_inv": scale, "draft.x": torch.ones(2), "mtp.0.y": torch.ones(2)},
         str(tmp_path / "model.safetensors"),
     )
-    params = {"a.weight": torch.zeros(8, 8, dtype=torch.float8_e4m3fn), "a.weight_scale_inv": torch.zeros(2, 2)}
+    # the V3 name of a block scale loads into the model's ``.scale``
+    params = {"a.weight": torch.zeros(8, 8, dtype=torch.float8_e4m3fn), "a.scale": torch.zeros(2, 2)}
     kept = load_weights(params, tmp_path, keep_prefixes=("draft.", "mtp."))
     assert torch.equal(params["a.weight"].view(torch.uint8), w_fp8.view(torch.uint8))
-    assert torch.equal(params["a.weight_scale_inv"], scale)
+    assert torch.equal(params["a.scale"], scale)
     assert sorted(kept) == ["draft.x", "mtp.0.y"]
     with pytest.raises(CheckpointError, match=r"checkpoint tensor\(s\) have no matching model param: 'mtp.0.y'"):
         load_weights(dict(params), tmp_path, keep_prefixes=("draft.",))
@@ -194,7 +204,7 @@ def test_unexpected_tensor_error(simple_ckpt):
     msg = str(err.value)
     assert "1 checkpoint tensor(s) have no matching model param: 'norm.weight'" in msg
     assert "'model.safetensors'" in msg and "keep_prefixes" in msg and "\n" not in msg
-    assert torch.all(params["embed.weight"] == 7)  # nothing copied before validation failed
+    assert torch.all(params[model_name("embed.weight")] == 7)  # nothing copied before validation failed
 
 
 def test_missing_tensor_error_lists_first_names_and_count(simple_ckpt):
@@ -212,7 +222,7 @@ def test_missing_tensor_error_lists_first_names_and_count(simple_ckpt):
 def test_shape_mismatch_error(simple_ckpt):
     directory, tensors = simple_ckpt
     params = params_like({k: v for k, v in tensors.items() if not k.startswith("mtp.")})
-    params["layers.0.attn.wq_a.weight"] = torch.zeros(8, 4)
+    params[model_name("layers.0.attn.wq_a.weight")] = torch.zeros(8, 4)
     with pytest.raises(CheckpointError) as err:
         load_weights(params, directory)
     assert str(err.value) == (
@@ -224,7 +234,7 @@ def test_shape_mismatch_error(simple_ckpt):
 def test_dtype_errors(simple_ckpt, tmp_path):
     directory, tensors = simple_ckpt
     params = params_like({k: v for k, v in tensors.items() if not k.startswith("mtp.")})
-    params["norm.weight"] = torch.zeros(8, dtype=torch.int32)
+    params[model_name("norm.weight")] = torch.zeros(8, dtype=torch.int32)
     with pytest.raises(CheckpointError, match=r"'norm.weight' in 'model.safetensors' is float32 but the model param is int32"):
         load_weights(params, directory)
 
@@ -323,20 +333,20 @@ def test_fp8_dequantize_on_load_edge_blocks(tmp_path, naming):
     write_config(tmp_path, quantization_config={"quant_method": "fp8", "weight_block_size": list(block)})
     save_file(tensors, str(tmp_path / "model.safetensors"))
 
-    params = {name: torch.zeros(w.shape) for name, w in originals.items()}
+    params = {model_name(name): torch.zeros(w.shape) for name, w in originals.items()}
     assert load_weights(params, tmp_path) == {}
     for name, w in originals.items():
         reference = block_reference(tensors[name], scales[name], block)
-        assert torch.equal(params[name], reference)  # exact: the same per-block products
+        assert torch.equal(params[model_name(name)], reference)  # exact: the same per-block products
         block_scale = block_reference(torch.ones_like(w), scales[name], block)
         # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 relative, and 2^-10 of the scale among subnormals
         err_bound = (w.abs() * 2**-4 + block_scale * 2**-10) * 1.0001
-        assert torch.all((params[name] - w).abs() <= err_bound)
-        assert not torch.equal(params[name], w)
-    bf16 = {name: torch.zeros(w.shape, dtype=torch.bfloat16) for name, w in originals.items()}
+        assert torch.all((params[model_name(name)] - w).abs() <= err_bound)
+        assert not torch.equal(params[model_name(name)], w)
+    bf16 = {model_name(name): torch.zeros(w.shape, dtype=torch.bfloat16) for name, w in originals.items()}
     load_weights(bf16, tmp_path)
     for name in originals:
-        assert torch.equal(bf16[name], block_reference(tensors[name], scales[name], block).to(torch.bfloat16))
+        assert torch.equal(bf16[model_name(name)], block_reference(tensors[name], scales[name], block).to(torch.bfloat16))
 
 
 def test_fp8_scale_grid_mismatch_error(tmp_path):
@@ -373,9 +383,9 @@ def test_fp4_experts_dequantize_on_load(tmp_path, storage):
     save_file({name: packed, "layers.0.ffn.experts.0.w1.scale": scale}, str(tmp_path / "model.safetensors"))
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert f.get_tensor(name).dtype == storage
-    params = {name: torch.zeros(rows, cols)}
+    params = {model_name(name): torch.zeros(rows, cols)}
     load_weights(params, tmp_path)
-    assert torch.equal(params[name], expected)
+    assert torch.equal(params[model_name(name)], expected)
 
 
 # ---------------------------------------------------------------- transformers

@@ -29,6 +29,7 @@ import pytest
 
 from tests import mutants
 from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.published import make_published_checkpoint
 from tests.helpers.plugins import make_plugin_dist, run_cli
 
 #: mutant -> (ops whose parity it must fail, checkpoint for e2e)
@@ -41,6 +42,8 @@ EXPECTED = {
     "mutant-no-renorm": ({"moe_route", "hash_route"}, "mixed"),
     "mutant-no-clamp": ({"swiglu", "moe_experts"}, "compressed_yarn"),
     "mutant-short-sinkhorn": ({"mhc_pre"}, "mixed"),
+    "mutant-fp8-last-block-scale": ({"fp8_linear"}, "published"),
+    "mutant-fp4-swapped-nibbles": ({"moe_experts_quantized"}, "published"),
 }
 
 
@@ -68,7 +71,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     config = json.loads((large_eps / "config.json").read_text())
     config["rms_norm_eps"] = 1e-2
     (large_eps / "config.json").write_text(json.dumps(config))
-    return {"mixed": mixed, "large_eps": large_eps, "compressed_yarn": make_tiny_checkpoint(tmp, "compressed_yarn")}
+    return {
+        "mixed": mixed, "large_eps": large_eps, "compressed_yarn": make_tiny_checkpoint(tmp, "compressed_yarn"),
+        "published": make_published_checkpoint(tmp),
+    }
 
 
 @pytest.fixture(scope="module")

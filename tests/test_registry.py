@@ -6,6 +6,7 @@ import pytest
 
 from deepinfer.errors import PluginError
 from deepinfer.registry import list_backends, select_backend
+from deepinfer_interfaces.version import INTERFACE_VERSION
 from tests.helpers.plugins import make_plugin_dist, run_cli
 
 BROKEN = {"deepinfer_test_broken": "raise ImportError('vendor SDK libfoo.so not found')\n"}
@@ -71,7 +72,7 @@ def test_backends_json_lists_plugins_from_installed_distributions(plugin_dir):
     assert rows["broken"]["available"] is False
     assert "libfoo.so not found" in rows["broken"]["reason"]
     assert rows["broken"]["package"] == "broken-plugin"
-    assert rows["old"]["available"] is False and "0.9.0" in rows["old"]["reason"] and "1.0.0" in rows["old"]["reason"]
+    assert rows["old"]["available"] is False and "0.9.0" in rows["old"]["reason"] and INTERFACE_VERSION in rows["old"]["reason"]
     assert rows["vendor"]["available"] is True
     assert rows["vendor"]["overrides"] == ["rms_norm"]
     assert rows["vendor"]["package"] == "vendor-plugin"
@@ -88,7 +89,7 @@ def test_incompatible_interface_version_refused_with_both_versions(plugin_dir):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1
-    assert "0.9.0" in lines[0] and "1.0.0" in lines[0]
+    assert "0.9.0" in lines[0] and INTERFACE_VERSION in lines[0]
 
 
 def test_broken_plugin_selected_gives_its_error(plugin_dir):

@@ -290,19 +290,40 @@ def _reference_combined(m: _MoEInputs, src: int) -> torch.Tensor:
     return expert_output(m.hidden[src], local, w)
 
 
-def _dispatch_combine(comm: Communicator, ctx: Context, scenario: str, dtype: str, results: dict) -> str | None:
-    """Run dispatch (and combine); ``results['combine']`` gets combine's verdict."""
+def _reference_fixed(m: _MoEInputs, dest: int, capacity: int, k: int = 3) -> list[tuple]:
+    """Rows rank ``dest`` must receive in the fixed layout: ``capacity`` per source, in token order,
+    only ``dest``'s slots filled, zero rows with ``-1`` ids past a source's tokens."""
+    rows = []
+    width = m.hidden[0].shape[1]
+    for src in range(len(m.hidden)):
+        for t in range(capacity):
+            if t >= m.ids[src].shape[0]:
+                rows.append(((0.0,) * width, (-1,) * k, (0.0,) * k))
+                continue
+            slot_ids, slot_w = [], []
+            for e, w in zip(m.ids[src][t].tolist(), m.weights[src][t].tolist()):
+                here = e >= 0 and int(m.expert_rank[e]) == dest
+                slot_ids.append(int(m.expert_local[e]) if here else -1)
+                slot_w.append(w if here else 0.0)
+            rows.append((tuple(m.hidden[src][t].tolist()), tuple(slot_ids), tuple(slot_w)))
+    return rows
+
+
+def _dispatch_combine(comm: Communicator, ctx: Context, scenario: str, dtype: str, results: dict, fixed: bool = False) -> str | None:
+    """Run dispatch (and combine); ``results['combine']`` gets combine's verdict. ``fixed``: the
+    fixed-capacity layout, with a capacity above every rank's tokens."""
     m = _moe_inputs(scenario, ctx.world, _DTYPES[dtype])
     dev = ctx.device
+    capacity = max(x.shape[0] for x in m.hidden) + 1 if fixed else None
     out = comm.dispatch(
         m.hidden[ctx.rank].to(dev), m.ids[ctx.rank].to(dev), m.weights[ctx.rank].to(dev),
-        m.expert_rank.to(dev), m.expert_local.to(dev),
+        m.expert_rank.to(dev), m.expert_local.to(dev), capacity=capacity,
     )
     problems = []
     for what, got, ref in (("hidden", out.hidden, m.hidden[0]), ("topk_ids", out.topk_ids, m.ids[0]), ("topk_weights", out.topk_weights, m.weights[0])):
         if got.dtype != ref.dtype:
             problems.append(f"received {what} has dtype {got.dtype}, expected {ref.dtype}")
-    expected = _reference_received(m, ctx.rank)
+    expected = _reference_fixed(m, ctx.rank, capacity) if fixed else _reference_received(m, ctx.rank)
     n = out.hidden.shape[0]
     if not problems and (out.topk_ids.shape[0] != n or out.topk_weights.shape[0] != n):
         problems.append(f"received {n} hidden rows but {out.topk_ids.shape[0]} id rows and {out.topk_weights.shape[0]} weight rows")
@@ -310,7 +331,7 @@ def _dispatch_combine(comm: Communicator, ctx: Context, scenario: str, dtype: st
         got = list(zip(map(tuple, out.hidden.cpu().tolist()), map(tuple, out.topk_ids.cpu().tolist()), map(tuple, out.topk_weights.cpu().tolist())))
         if len(got) != len(expected):
             problems.append(f"received {len(got)} rows, expected {len(expected)}")
-        elif sorted(got) != sorted(expected):
+        elif (got != expected) if fixed else (sorted(got) != sorted(expected)):
             problems.append("received rows (hidden, local expert ids, weights) differ from the expected ones")
     # combine runs on every rank even when dispatch looked wrong, so no rank is left waiting
     y = expert_output(out.hidden, out.topk_ids, out.topk_weights)
@@ -370,4 +391,8 @@ def comm_cases(world: int) -> list[CommCase]:
             shared: dict = {}
             cases.append(CommCase("dispatch", scenario, dtype, p(_dispatch_combine, scenario=scenario, dtype=dtype, results=shared)))
             cases.append(CommCase("combine", scenario, dtype, p(_combine_verdict, shared)))
+        shared = {}
+        cases.append(CommCase("dispatch", f"{scenario}_fixed_capacity", "float32",
+                              p(_dispatch_combine, scenario=scenario, dtype="float32", results=shared, fixed=True)))
+        cases.append(CommCase("combine", f"{scenario}_fixed_capacity", "float32", p(_combine_verdict, shared)))
     return cases

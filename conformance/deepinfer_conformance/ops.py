@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_interfaces import Device, Kernels, NotSupportedError
+from deepinfer_interfaces import Device, Kernels, NotSupportedError, QuantizedWeight
 from deepinfer_interfaces.specs import SPECS, OpSpec
 
 from .compare import compare
@@ -28,6 +28,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def _map(value: Any, fn) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)
+    if isinstance(value, QuantizedWeight):  # never in a spec's ``cast``: ``fn`` only copies or moves it
+        return value.map(fn)
     if isinstance(value, (list, tuple)):
         return type(value)(_map(v, fn) for v in value)
     return value

@@ -47,6 +47,11 @@ def read_config(model_dir: str | Path) -> dict:
     if not isinstance(config, dict):
         raise CheckpointError(f"config file {str(path)!r} holds a JSON {type(config).__name__}, expected an object")
     model_type = config.get("model_type")
+    if model_type == "deepseek_v41":
+        raise CheckpointError(
+            "model_type 'deepseek_v41' (DeepSeek V4.1) is a different architecture that deepinfer does not run yet; "
+            f"use a {MODEL_TYPE} checkpoint"
+        )
     if model_type != MODEL_TYPE:
         raise CheckpointError(f"unknown model_type {model_type!r}: deepinfer runs {MODEL_TYPE} checkpoints")
     return config

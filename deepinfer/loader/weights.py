@@ -1,11 +1,13 @@
 """Streaming a checkpoint into preallocated parameters, shard by shard.
 
-Headers are checked against the parameters first (unexpected, missing, shape and
-dtype errors come before any copy); then each shard is opened once and its tensors
-are copied one at a time into `params[name]`, so peak memory stays about one
-tensor above the model. Block-quantized weights (FP8, or FP4 experts) whose scale
-the model does not declare as a parameter are dequantized into the parameter's
-dtype; a model that declares the scale too receives both as stored.
+Tensor names go through ``names.model_name`` first (DeepSeek's release names and
+transformers' both load). Headers are checked against the parameters (unexpected,
+missing, shape and dtype errors come before any copy); then each shard is opened
+once and its tensors are copied one at a time into `params[name]`, so peak memory
+stays about one tensor above the model. Block-quantized weights (FP8, or FP4
+experts) whose scale the model does not declare as a parameter are dequantized
+into the parameter's dtype; a model that declares the scale too receives both as
+stored (one-byte codes and UE8M0 scales into ``uint8`` parameters byte for byte).
 """
 
 from __future__ import annotations
@@ -13,16 +15,51 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import Callable
+
 import torch
 
 from ..errors import CheckpointError
 from .files import model_directory, read_config
-from .fp4 import FP4_DTYPES, dequantize_fp4_blockwise
-from .fp8 import DEFAULT_BLOCK, FP8_DTYPES, block_for, dequantize_blockwise
+from .block_scales import DEFAULT_BLOCK, FP4_DTYPES, FP8_DTYPES, block_for, dequantize
+from .names import model_name
 from .safetensors_reader import TensorEntry, open_shard, read_catalog, read_tensor, shard_files
 
 DEQUANT_TARGETS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SHOWN_NAMES = 5
+
+
+#: one-byte dtypes whose raw bytes load into a ``uint8`` parameter unchanged (codes, UE8M0 scales)
+RAW_BYTE_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint directory's shards and tensors (by model parameter name), read from headers."""
+
+    directory: Path
+    files: list[Path]
+    catalog: dict[str, TensorEntry]
+    #: quantization_config.weight_block_size, (128, 128) when absent
+    block: tuple[int, int]
+
+
+def read_checkpoint(model_dir: str | Path) -> Checkpoint:
+    """Headers of every shard, names mapped to the model's; two stored names for one parameter are an error."""
+    directory = model_directory(model_dir)
+    block = _block_size(directory)
+    files, weight_map = shard_files(directory)
+    stored = read_catalog(files, weight_map)
+    catalog: dict[str, TensorEntry] = {}
+    for name, entry in stored.items():
+        key = model_name(name)
+        if key in catalog:
+            raise CheckpointError(
+                f"checkpoint tensors {catalog[key].name!r} and {name!r} both load into {key!r}; "
+                "the directory mixes two naming schemes: keep one checkpoint's files"
+            )
+        catalog[key] = entry
+    return Checkpoint(directory, files, catalog, block)
 
 
 @dataclass(frozen=True)
@@ -89,9 +126,12 @@ def _integer(dtype: torch.dtype) -> bool:
 
 
 def _check_copy_dtype(entry: TensorEntry, param: torch.Tensor) -> None:
-    """Reject casts that would corrupt values: raw FP8/FP4 into another dtype, float <-> int, bool."""
+    """Reject casts that would corrupt values: raw FP8/FP4 into another dtype, float <-> int, bool.
+    One-byte codes and scales load into a ``uint8`` param as their bytes."""
     src, dst = entry.dtype, param.dtype
     where = f"checkpoint tensor {entry.name!r} in {entry.file.name!r}"
+    if dst == torch.uint8 and src in RAW_BYTE_DTYPES:
+        return
     if src in FP8_DTYPES or src == torch.float4_e2m1fn_x2:
         if dst != src:
             scales = " or ".join(repr(n) for n in _scale_names(entry.name))
@@ -113,6 +153,12 @@ def _check_copy_dtype(entry: TensorEntry, param: torch.Tensor) -> None:
 
 
 def _check_shape(entry: TensorEntry, shape: tuple[int, ...], param: torch.Tensor) -> None:
+    if tuple(shape) != tuple(param.shape) and entry.name.endswith((".scale", "_scale_inv")):
+        raise CheckpointError(
+            f"scale tensor {entry.name!r} in {entry.file.name!r} has shape {_fmt_shape(shape)} but its weight's block grid is "
+            f"{_fmt_shape(param.shape)}; the scale does not match its weight: re-download the shard or fix "
+            "quantization_config.weight_block_size"
+        )
     if tuple(shape) != tuple(param.shape):
         raise CheckpointError(
             f"checkpoint tensor {entry.name!r} in {entry.file.name!r} has shape {_fmt_shape(shape)} but the model "
@@ -126,8 +172,11 @@ def _plan(
     keep_prefixes: tuple[str, ...],
     block: tuple[int, int],
     directory: Path,
+    skip: Callable[[str], bool] | None = None,
 ) -> list[_Item]:
     """Validate the checkpoint against `params` from headers alone and list the load steps."""
+    if skip is not None:  # another rank's tensors: never read, neither missing nor unexpected here
+        catalog = {name: entry for name, entry in catalog.items() if not skip(name)}
     consumed: set[str] = set()
     pairs: dict[str, TensorEntry] = {}
     for name, entry in catalog.items():
@@ -180,11 +229,11 @@ def _plan(
 
     if unexpected:
         raise CheckpointError(
-            f"{len(unexpected)} checkpoint tensor(s) have no matching model param: {_names(unexpected)} "
+            f"{len(unexpected)} checkpoint tensor(s) have no matching model param: {_names([catalog[n].name for n in unexpected])} "
             f"(first in {catalog[unexpected[0]].file.name!r}); the checkpoint does not match this model's config.json, "
             "or pass their prefix in keep_prefixes to keep them aside"
         )
-    loaded = {item.entry.name for item in items if not item.keep}
+    loaded = {model_name(item.entry.name) for item in items if not item.keep}
     missing = [name for name in params if name not in loaded]
     if missing:
         raise CheckpointError(
@@ -192,6 +241,13 @@ def _plan(
             "the checkpoint is incomplete or does not match config.json: re-download it"
         )
     return items
+
+
+def _as_param(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``tensor`` ready to copy into ``param``: one-byte codes and scales by their bytes."""
+    if param.dtype == torch.uint8 and tensor.dtype != torch.uint8 and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def _read_scale(f, item: _Item) -> torch.Tensor:
@@ -204,23 +260,23 @@ def _read_scale(f, item: _Item) -> torch.Tensor:
 
 def load_weights(
     params: dict[str, torch.Tensor],
-    model_dir: str | Path,
+    model_dir: str | Path | Checkpoint,
     *,
     keep_prefixes: tuple[str, ...] = ("mtp.",),
+    skip: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Copy a checkpoint into the preallocated `params` (casting to each param's dtype).
 
     Every checkpoint tensor must match a param by name and shape, except those whose
     name starts with one of `keep_prefixes`: those are returned as stored (scales
     included), for components built later such as the MTP/DSpark draft layers.
+    Tensors whose model name `skip` accepts (another rank's experts) are not read.
     """
     if isinstance(keep_prefixes, str):
         keep_prefixes = (keep_prefixes,)
-    directory = model_directory(model_dir)
-    block = _block_size(directory)
-    files, weight_map = shard_files(directory)
-    catalog = read_catalog(files, weight_map)
-    items = _plan(params, catalog, tuple(keep_prefixes), block, directory)
+    checkpoint = model_dir if isinstance(model_dir, Checkpoint) else read_checkpoint(model_dir)
+    files, catalog, block, directory = checkpoint.files, checkpoint.catalog, checkpoint.block, checkpoint.directory
+    items = _plan(params, catalog, tuple(keep_prefixes), block, directory, skip)
 
     by_file: dict[Path, list[_Item]] = {}
     for item in items:
@@ -234,14 +290,11 @@ def load_weights(
                 for item in by_file[path]:
                     tensor = read_tensor(f, item.entry)
                     if item.keep:
-                        kept[item.entry.name] = tensor
+                        kept[model_name(item.entry.name)] = tensor
                         continue
                     if item.scale is not None:
-                        scale = _read_scale(f, item)
-                        if item.entry.dtype in FP8_DTYPES:
-                            tensor = dequantize_blockwise(tensor.to(torch.float32), scale, item.block)
-                        else:
-                            tensor = dequantize_fp4_blockwise(tensor, scale, item.block)
-                    params[item.entry.name].copy_(tensor)
+                        tensor = dequantize(tensor, _read_scale(f, item), item.block)
+                    key = model_name(item.entry.name)
+                    params[key].copy_(_as_param(tensor, params[key]))
                     del tensor
     return kept

@@ -6,6 +6,7 @@ import torch
 
 from deepinfer_interfaces import Kernels
 
+from .linear import ProjectionPart, QuantPlan
 from .metadata import LayerMeta
 from .params import ParamTree
 
@@ -22,17 +23,23 @@ class Compressor(ParamTree):
     rows of the owner's fused input projection (``projection_parts``).
     """
 
-    def __init__(self, head_dim: int, ratio: int, overlap: bool, eps: float, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self, head_dim: int, ratio: int, overlap: bool, eps: float, dtype: torch.dtype, device, plan: QuantPlan, role: str
+    ) -> None:
         super().__init__(device)
+        self.plan, self.role = plan, role
         self.width = head_dim * (2 if overlap else 1)
         self.overlap = overlap
         self.eps = eps
         self.ape = self.param("ape", (ratio, self.width), torch.float32)
         self.norm = self.param("norm.weight", (head_dim,), torch.float32)
 
-    def projection_parts(self) -> list[tuple[ParamTree, str, int]]:
-        """The (tree, key, rows) of the two input projections, for the owner's ``FusedProjection``."""
-        return [(self, "wkv.weight", self.width), (self, "wgate.weight", self.width)]
+    def projection_parts(self) -> list[ProjectionPart]:
+        """The two input projections, for the owner's ``FusedProjection``."""
+        return [
+            ProjectionPart(self, "wkv", self.width, self.plan.storage(f"{self.role}.wkv")),
+            ProjectionPart(self, "wgate", self.width, self.plan.storage(f"{self.role}.wgate")),
+        ]
 
     def __call__(
         self,

@@ -1,10 +1,12 @@
 """The model's configuration, parsed from a checkpoint's HF ``config.json``.
 
 Both the current transformers layout (``layer_types``, ``mlp_layer_types``,
-``compress_rates``, nested ``rope_parameters``) and the legacy fields older
-DeepSeek-V4 checkpoints ship (``compress_ratios``, ``compress_rate_csa`` /
-``compress_rate_hca``, ``num_hash_layers``, ``qk_rope_head_dim``,
-``rope_scaling``) are accepted and folded the way transformers folds them.
+``compress_rates``, nested ``rope_parameters``) and the fields DeepSeek's
+release ships (``compress_ratios`` with its trailing entry for the draft
+layer, ``compress_rate_csa`` / ``compress_rate_hca``, ``num_hash_layers``,
+``qk_rope_head_dim``, ``rope_scaling``, ``expert_dtype``,
+``quantization_config``, ``topk_method``) are accepted and folded the way
+transformers folds them; what the engine cannot honour is refused by name.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+#: model types of the family that are recognised but not run yet, and why
+LATER_MODEL_TYPES = {
+    "deepseek_v41": "DeepSeek V4.1 is a different architecture (shared compressed KV, Engram memory); deepinfer does not run it yet",
+}
 _DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
 _DEFAULT_NUM_HASH_LAYERS = 3
 
@@ -40,6 +46,56 @@ class RopeParams(BaseModel):
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+
+
+class QuantizationConfig(BaseModel):
+    """How the checkpoint's linears and experts are quantized (``quantization_config`` and ``expert_dtype``)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    quant_method: Literal["fp8"] = "fp8"
+    #: the code format of the FP8 linears
+    fmt: Literal["e4m3"] = "e4m3"
+    #: ``ue8m0``: scales are powers of two stored as exponent bytes; ``float32``: scales are floats
+    scale_fmt: Literal["ue8m0", "float32"] = "float32"
+    weight_block_size: tuple[int, int] = (128, 128)
+    activation_scheme: Literal["dynamic"] = "dynamic"
+    #: routed experts: FP4 e2m1 in 1 x 32 blocks, FP8 like the linears, or unquantized
+    expert_dtype: Literal["fp4", "fp8", "bf16"] = "fp8"
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> "QuantizationConfig | None":
+        """The checkpoint's quantization, or None for an unquantized one; unknown values raise ``ValueError``."""
+        quant = raw.get("quantization_config")
+        expert_dtype = raw.get("expert_dtype")
+        if quant is None:
+            if expert_dtype not in (None, "bf16"):
+                raise ValueError(f"expert_dtype is {expert_dtype!r} but there is no quantization_config to describe its scales")
+            return None
+        if not isinstance(quant, dict):
+            raise ValueError("quantization_config must be an object")
+        quant = dict(quant)
+        checks = {
+            "quant_method": ("fp8",),
+            "fmt": ("e4m3",),
+            "activation_scheme": ("dynamic",),
+        }
+        for key, allowed in checks.items():
+            if key in quant and quant[key] not in allowed:
+                raise ValueError(f"quantization_config.{key} is {quant[key]!r}; deepinfer reads {' or '.join(map(repr, allowed))} checkpoints")
+        scale = quant.pop("scale_fmt", None)
+        if scale not in (None, "ue8m0", "float32", "float", "fp32"):
+            raise ValueError(f"quantization_config.scale_fmt is {scale!r}; deepinfer reads 'ue8m0' or float32 scales")
+        quant["scale_fmt"] = "ue8m0" if scale == "ue8m0" else "float32"
+        expert = quant.get("expert_dtype", expert_dtype)
+        if expert is not None:
+            if expert not in ("fp4", "fp8", "bf16"):
+                raise ValueError(f"expert_dtype is {expert!r}; deepinfer reads 'fp4', 'fp8' or 'bf16' experts")
+            quant["expert_dtype"] = expert
+        block = quant.get("weight_block_size", (128, 128))
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"quantization_config.weight_block_size is {block!r}; give two positive integers such as [128, 128]")
+        return cls.model_validate(quant)
 
 
 class ModelConfig(BaseModel):
@@ -85,6 +141,8 @@ class ModelConfig(BaseModel):
     eos_token_id: int | list[int] | None = 1
     rope_main: RopeParams
     rope_compress: RopeParams
+    #: None: an unquantized checkpoint
+    quantization: QuantizationConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -120,6 +178,8 @@ class ModelConfig(BaseModel):
     def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Parse a raw ``config.json`` mapping; bad or unsupported values raise ``ConfigError``."""
         model_type = raw.get("model_type")
+        if model_type in LATER_MODEL_TYPES:
+            raise ConfigError(f"config.json has model_type {model_type!r}: {LATER_MODEL_TYPES[model_type]}; use a DeepSeek-V4 checkpoint")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"config.json has model_type {model_type!r}, which this engine does not run; "
@@ -151,6 +211,10 @@ def _fold_legacy(raw: dict[str, Any]) -> dict[str, Any]:
         if key not in raw:
             raise ValueError(f"the field {key!r} is missing")
     n = raw["num_hidden_layers"]
+    raw["quantization"] = QuantizationConfig.parse(raw)
+    method = raw.get("topk_method")
+    if method not in (None, "noaux_tc", "greedy"):
+        raise ValueError(f"topk_method is {method!r}; DeepSeek-V4 routes by biased top-k ('noaux_tc') without expert groups")
 
     rates = dict(_DEFAULT_COMPRESS_RATES)
     rates.update(raw.get("compress_rates") or {})

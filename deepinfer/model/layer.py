@@ -9,8 +9,9 @@ from deepinfer_interfaces import Kernels
 from .attention import Attention
 from .cache import ModelCache
 from .config import ModelConfig
+from .linear import QuantPlan
 from .metadata import LayerMeta
-from .moe import MoE
+from .moe import ExpertSharding, MoE
 from .params import ParamTree
 
 
@@ -29,13 +30,19 @@ class HyperConnection:
 
 
 class DecoderLayer(ParamTree):
-    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self, config: ModelConfig, index: int, dtype: torch.dtype, device, plan: QuantPlan | None = None,
+        sharding: ExpertSharding | None = None,
+    ) -> None:
         super().__init__(device)
+        plan = plan or QuantPlan()
         self.index = index
         self.layer_type = config.layer_types[index]
         self.eps = config.rms_norm_eps
-        self.attn = self.child("attn", Attention(config, self.layer_type, dtype, device))
-        self.ffn = self.child("ffn", MoE(config, config.mlp_layer_types[index] == "hash_moe", dtype, device))
+        self.attn = self.child("attn", Attention(config, self.layer_type, dtype, device, plan))
+        self.ffn = self.child("ffn", MoE(
+            config, config.mlp_layer_types[index] == "hash_moe", dtype, device, plan, sharding=sharding, layer=index
+        ))
         self.attn_norm = self.param("attn_norm.weight", (config.hidden_size,), torch.float32)
         self.ffn_norm = self.param("ffn_norm.weight", (config.hidden_size,), torch.float32)
         self.hc_attn = HyperConnection(self, "attn", config)

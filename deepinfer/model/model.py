@@ -6,7 +6,9 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_interfaces import Communicator, Kernels
+import re
+
+from deepinfer_interfaces import Kernels
 
 from ..errors import ConfigError
 from .batch import Batch
@@ -14,21 +16,30 @@ from .cache import ModelCache
 from .config import ModelConfig
 from .inputs import ForwardInputs, step_inputs
 from .layer import DecoderLayer
+from .linear import QuantPlan
 from .metadata import build_layer_metas
+from .moe import ExpertSharding
 from .params import ParamTree
 from .rope import Rotary
+
+
+#: a routed expert's tensors: layer and expert index
+_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.ffn\.experts\.(\d+)\.")
 
 
 class DeepseekV4Model(ParamTree):
     """Parameters (named as the checkpoint's keys) and the forward step.
 
     Weights in ``dtype`` except those V4 keeps in fp32 (norms, hyper-connections,
-    sinks, compressor position biases, router correction bias); ``tid2eid`` is
-    int64. Parameters are allocated uninitialised: load them with
-    ``load_weights(model.named_parameters(), dir)`` or use ``from_pretrained``.
-    ``communicator`` is kept for expert parallelism; with it (world size > 1)
-    the model refuses to run until expert sharding lands, rather than
-    computing every expert on every rank.
+    sinks, compressor position biases, router correction bias) and those the
+    ``plan`` keeps quantized (FP8 / FP4 codes with block scales, as the
+    checkpoint stores them); ``tid2eid`` is int64. Parameters are allocated
+    uninitialised: load them with ``load_weights(model.named_parameters(), dir)``
+    or use ``from_pretrained``.
+    With ``sharding`` (expert parallelism) each MoE layer holds only this
+    rank's expert slots and reaches the others through the sharding's
+    dispatch and combine; ``from_pretrained`` then reads only this rank's
+    experts from the checkpoint.
     """
 
     def __init__(
@@ -38,22 +49,20 @@ class DeepseekV4Model(ParamTree):
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
-        communicator: Communicator | None = None,
+        plan: QuantPlan | None = None,
+        sharding: ExpertSharding | None = None,
     ) -> None:
         super().__init__(device)
-        if communicator is not None and communicator.world_size > 1:
-            raise ConfigError(
-                f"expert parallelism over {communicator.world_size} ranks is not supported by the model yet; run with expert_parallel_size=1"
-            )
         self.config = config
         self.kernels = kernels
         self.dtype = dtype
-        self.communicator = communicator
+        self.sharding = sharding
+        self.plan = plan or QuantPlan()
         c = config
         n, d = c.hc_mult, c.hidden_size
         body = self.child("model", ParamTree(device))
         self.embed = body.param("embed_tokens.weight", (c.vocab_size, d), dtype)
-        self.layers = [DecoderLayer(c, i, dtype, device) for i in range(c.num_hidden_layers)]
+        self.layers = [DecoderLayer(c, i, dtype, device, self.plan, sharding) for i in range(c.num_hidden_layers)]
         for i, layer in enumerate(self.layers):
             body.child(f"layers.{i}", layer)
         self.norm = body.param("norm.weight", (d,), torch.float32)
@@ -76,14 +85,46 @@ class DeepseekV4Model(ParamTree):
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
-        communicator: Communicator | None = None,
+        quantization: str = "auto",
+        sharding: ExpertSharding | None = None,
     ) -> "DeepseekV4Model":
-        """Build from ``model_dir/config.json`` and load every checkpoint tensor."""
-        from ..loader import load_weights, read_config
+        """Build from ``model_dir/config.json`` and load every checkpoint tensor.
 
-        model = cls(ModelConfig.from_hf(read_config(model_dir)), kernels, dtype=dtype, device=device, communicator=communicator)
-        model.extra_tensors = load_weights(model.named_parameters(), model_dir, keep_prefixes=("mtp.",))
+        ``quantization="auto"`` keeps every weight the checkpoint stores quantized
+        (codes with a block-scale companion) quantized; ``"dequantize"`` loads
+        every weight in ``dtype``.
+        """
+        from ..loader import load_weights, read_checkpoint, read_config
+
+        config = ModelConfig.from_hf(read_config(model_dir))
+        checkpoint = read_checkpoint(model_dir)
+        if quantization == "auto":
+            plan = QuantPlan.from_checkpoint(checkpoint.catalog, checkpoint.block)
+        elif quantization == "dequantize":
+            plan = QuantPlan()
+        else:
+            raise ConfigError(f"quantization {quantization!r} is not one of 'auto', 'dequantize'")
+        model = cls(config, kernels, dtype=dtype, device=device, plan=plan, sharding=sharding)
+        skip = model.foreign_expert if sharding is not None else None
+        model.extra_tensors = load_weights(model.named_parameters(), checkpoint, keep_prefixes=("mtp.",), skip=skip)
+        for layer in model.layers:
+            layer.ffn.fill_replicas()
         return model
+
+    def foreign_expert(self, name: str) -> bool:
+        """True for a checkpoint tensor (model name) of a routed expert this rank does not hold."""
+        m = _EXPERT_NAME.match(name)
+        if m is None:
+            return False
+        layer, expert = int(m.group(1)), int(m.group(2))
+        return layer < len(self.layers) and expert not in self.layers[layer].ffn.slots
+
+    @torch.inference_mode()
+    def join_step(self) -> None:
+        """An idle rank's step under expert parallelism: every layer's dispatch and combine, no tokens."""
+        x = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for layer in self.layers:
+            layer.ffn.join(self.kernels, x)
 
     def forward(self, inputs: ForwardInputs, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
         """Run one step: write every layer's state for the step's tokens into
@@ -98,6 +139,8 @@ class DeepseekV4Model(ParamTree):
         k = self.kernels
         c = self.config
         metas = build_layer_metas(inputs, cache.geometry, self.rope_main, self.rope_compress)
+        if self.sharding is not None:
+            self.sharding.begin_forward(inputs.positions)
         x = self.embed[inputs.input_ids]
         streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
         self.hidden_states = {}

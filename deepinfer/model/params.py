@@ -33,19 +33,3 @@ class ParamTree:
             out.update(tree.named_parameters(f"{prefix}{name}."))
         return out
 
-
-class FusedProjection:
-    """Linear maps of one input run as one matmul: one ``[Σ out, in]`` weight whose row blocks are
-    exposed, as views, under each map's own checkpoint key (the loader fills them one by one)."""
-
-    def __init__(self, in_features: int, parts: list[tuple[ParamTree, str, int]], dtype: torch.dtype, device) -> None:
-        """``parts``: (tree, key, out_features) of each map, in the order ``__call__`` returns them."""
-        self.sizes = [out for _, _, out in parts]
-        self.weight = torch.empty(sum(self.sizes), in_features, dtype=dtype, device=device)
-        at = 0
-        for tree, key, out in parts:
-            tree.alias(key, self.weight[at : at + out])
-            at += out
-
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list((x @ self.weight.t()).split(self.sizes, dim=-1))

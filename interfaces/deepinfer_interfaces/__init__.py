@@ -5,6 +5,7 @@ from .communicator import Communicator, DispatchHandle, DispatchResult
 from .device import Device, DeviceCapabilities, HostEvent, HostStream, host_stream_context, record_stream_graph
 from .errors import NotSupportedError
 from .kernels import Kernels
+from .quant import QuantizedWeight
 from .version import INTERFACE_VERSION
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "HostStream",
     "Kernels",
     "NotSupportedError",
+    "QuantizedWeight",
     "host_stream_context",
     "record_stream_graph",
 ]

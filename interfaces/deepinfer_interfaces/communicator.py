@@ -22,6 +22,8 @@ class DispatchHandle:
     send_splits: list[int]
     recv_splits: list[int]
     num_tokens: int
+    #: rows per (source, destination) pair of a fixed-capacity dispatch; None for the variable-split layout
+    capacity: int | None = None
 
 
 @dataclass
@@ -112,6 +114,7 @@ class Communicator(ABC):
         topk_weights: torch.Tensor,
         expert_rank: torch.Tensor,
         expert_local: torch.Tensor,
+        capacity: int | None = None,
     ) -> DispatchResult:
         """Send each token to every rank holding one of its chosen experts, once per rank.
 
@@ -120,12 +123,22 @@ class Communicator(ABC):
         receiving rank sees each token once with the slots of its own experts; its
         rows are grouped by source rank in rank order, each group in token order.
         Dtypes of ``hidden``, ``topk_ids`` and ``topk_weights`` are kept.
+
+        With ``capacity`` (the same on every rank, at least every rank's ``T``)
+        the layout is fixed instead, as DeepEP's low-latency mode has it: every
+        rank receives exactly ``capacity`` rows from each rank, row ``t`` of a
+        source's group being its token ``t`` with only the receiver's slots
+        filled (all ``-1`` when none is, or past that source's ``T``). Nothing
+        depends on the data, so no host sync happens and the call can be
+        captured in a graph; experts skip the all ``-1`` rows.
         """
         if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or hidden.shape[0] != topk_ids.shape[0]:
             raise ValueError(
                 f"dispatch needs hidden [T, H], topk_ids and topk_weights [T, K]; got {tuple(hidden.shape)}, "
                 f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
             )
+        if capacity is not None:
+            return self._dispatch_fixed(hidden, topk_ids, topk_weights, expert_rank, expert_local, capacity)
         num_tokens = topk_ids.shape[0]
         world = self.world_size
         expert_rank = expert_rank.to(topk_ids.device)
@@ -153,6 +166,38 @@ class Communicator(ABC):
         handle = DispatchHandle(token_index, send_splits, recv_splits, num_tokens)
         return DispatchResult(recv_hidden, recv_ids, recv_w, handle)
 
+    def _dispatch_fixed(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        expert_rank: torch.Tensor,
+        expert_local: torch.Tensor,
+        capacity: int,
+    ) -> DispatchResult:
+        """``dispatch`` in the fixed layout: ``[world, capacity]`` rows out, the same in, equal splits."""
+        num_tokens, k = topk_ids.shape
+        if num_tokens > capacity:
+            raise ValueError(f"dispatch got {num_tokens} tokens for a fixed capacity of {capacity}; pass a capacity of at least every rank's tokens")
+        world, dev = self.world_size, topk_ids.device
+        pad = capacity - num_tokens
+        ids = torch.nn.functional.pad(topk_ids, (0, 0, 0, pad), value=-1)
+        weights = torch.nn.functional.pad(topk_weights, (0, 0, 0, pad))
+        rows = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+        valid = ids >= 0
+        safe = ids.clamp(min=0)
+        slot_rank = torch.where(valid, expert_rank.to(dev)[safe], -1)
+        mine = slot_rank[None] == torch.arange(world, device=dev)[:, None, None]  # [world, capacity, K]
+        send_ids = torch.where(mine, expert_local.to(dev)[safe][None], -1).to(topk_ids.dtype)
+        send_w = torch.where(mine, weights[None], torch.zeros((), dtype=weights.dtype, device=dev))
+        splits = [capacity] * world
+        recv_hidden = self.all_to_all(rows[None].expand(world, -1, -1).reshape(world * capacity, -1), splits, splits)
+        recv_ids = self.all_to_all(send_ids.reshape(world * capacity, k), splits, splits)
+        recv_w = self.all_to_all(send_w.reshape(world * capacity, k), splits, splits)
+        index = torch.arange(capacity, device=hidden.device).repeat(world)
+        handle = DispatchHandle(index, splits, splits, num_tokens, capacity)
+        return DispatchResult(recv_hidden, recv_ids, recv_w, handle)
+
     def combine(self, hidden: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return each received row's result to its source rank and sum per token.
 
@@ -165,6 +210,9 @@ class Communicator(ABC):
             raise ValueError(f"combine got {hidden.shape[0]} rows, but dispatch delivered {sum(handle.recv_splits)}")
         back = self.all_to_all(hidden, handle.send_splits, handle.recv_splits)
         acc = torch.promote_types(hidden.dtype, torch.float32)
+        if handle.capacity is not None:  # fixed layout: one row per token from each rank, summed in rank order
+            out = back.view(self.world_size, handle.capacity, *hidden.shape[1:]).to(acc).sum(0)
+            return out[: handle.num_tokens].to(hidden.dtype)
         out = torch.zeros((handle.num_tokens, *hidden.shape[1:]), dtype=acc, device=hidden.device)
         out.index_add_(0, handle.send_token_index.to(hidden.device), back.to(acc))
         return out.to(hidden.dtype)

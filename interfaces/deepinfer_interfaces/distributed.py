@@ -9,6 +9,7 @@ reduce a contiguous copy and write the result back.
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -45,7 +46,10 @@ class TorchDistributedCommunicator(Communicator):
         init_method: str | None = None,
         device: torch.device | None = None,
         group: "dist.ProcessGroup | None" = None,
+        timeout_s: float | None = None,
     ) -> None:
+        """``timeout_s`` bounds every collective of the group this creates (torch's default otherwise):
+        a rank that died or hangs then makes the others raise instead of waiting forever."""
         self.dist_backend = dist_backend
         self.device = device or torch.device("cpu")
         self.group = group
@@ -55,8 +59,9 @@ class TorchDistributedCommunicator(Communicator):
         rank = int(rank if rank is not None else os.environ.get("RANK", 0))
         if group is None and world_size > 1:
             if not dist.is_initialized():
+                extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
                 dist.init_process_group(
-                    dist_backend, init_method=init_method or "env://", rank=rank, world_size=world_size
+                    dist_backend, init_method=init_method or "env://", rank=rank, world_size=world_size, **extra
                 )
                 self._owns_group = True
             elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):

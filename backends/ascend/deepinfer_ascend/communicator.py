@@ -59,10 +59,11 @@ class AscendCommunicator(TorchDistributedCommunicator):
         topk_weights: torch.Tensor,
         expert_rank: torch.Tensor,
         expert_local: torch.Tensor,
+        capacity: int | None = None,
     ) -> DispatchResult:
         module = self._fused_module()
-        if module is None:
-            return super().dispatch(hidden, topk_ids, topk_weights, expert_rank, expert_local)
+        if module is None or capacity is not None:  # the fixed layout is the base class's
+            return super().dispatch(hidden, topk_ids, topk_weights, expert_rank, expert_local, capacity)
         problem = fused_dispatch.local_problem(self._generation(), self.world_size, hidden, topk_ids, expert_rank, expert_local)
         # every rank must take the same path: agree on eligibility and the largest batch in one all-reduce
         vote = torch.tensor([0 if problem else 1, -int(topk_ids.shape[0])], dtype=torch.int64, device=self.device)

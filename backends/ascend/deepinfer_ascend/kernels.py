@@ -3,7 +3,9 @@
 Where each op runs is decided at call time (see :meth:`AscendKernels.paths`):
 
 - an op mapped to a torch_npu fused op runs it when torch_npu imports and the
-  tensors are on an NPU;
+  tensors are on an NPU, unless the fused op does not take the inputs (a
+  dtype, a shape limit, the SoC: ``fp8_linear`` and ``moe_experts_quantized``
+  need the FP8/MX matmuls of Ascend 950, so A2/A3 run their reference);
 - an op with a Triton-Ascend kernel runs it on NPU tensors (Triton-Ascend
   installed) or on CPU tensors under Triton's interpreter (``--interpret``);
 - otherwise, and for every op named in ``DEEPINFER_ASCEND_DISABLE``, the
@@ -26,7 +28,7 @@ from typing import Callable, ClassVar, TypeVar
 
 import torch
 
-from deepinfer_interfaces import Kernels, NotSupportedError
+from deepinfer_interfaces import Kernels, NotSupportedError, QuantizedWeight
 
 from .launch import KERNEL_DTYPES, is_disabled, on_npu, triton_can_run
 from .npu import load_torch_npu
@@ -46,6 +48,8 @@ class AscendKernels(Kernels):
         "moe_route": "torch_npu:npu_moe_gating_top_k",
         "swiglu": "torch_npu:npu_clipped_swiglu",
         "moe_experts": "torch_npu:npu_grouped_matmul",
+        "fp8_linear": "torch_npu:npu_quant_matmul",
+        "moe_experts_quantized": "torch_npu:npu_grouped_matmul",
         "compress_kv": TRITON,
         "indexer_scores": TRITON,
         "mhc_pre": TRITON,
@@ -161,6 +165,36 @@ class AscendKernels(Kernels):
         from . import npu_ops
 
         return self._fused("moe_experts", (x, w13, w2), lambda tn: npu_ops.moe_experts(tn, x, topk_ids, topk_weights, w13, w2, limit), reference)
+
+    def fp8_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        """``npu_quant_matmul`` in MX or G-B mode on Ascend 950, x quantized on the fly (see ``npu_quant_ops.fp8_linear``)."""
+        reference = lambda: super(AscendKernels, self).fp8_linear(x, weight)  # noqa: E731
+        if x.shape[0] == 0 or weight.shape[0] == 0:
+            return reference()
+        from . import npu_quant_ops
+
+        return self._fused("fp8_linear", (x, weight.codes, weight.scales), lambda tn: npu_quant_ops.fp8_linear(tn, x, weight), reference)
+
+    def moe_experts_quantized(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: QuantizedWeight,
+        w2: QuantizedWeight,
+        limit: float | None,
+    ) -> torch.Tensor:
+        """Block-scaled ``npu_grouped_matmul`` twice around the clamped SwiGLU on Ascend 950
+        (see ``npu_quant_ops.moe_experts_quantized``)."""
+        reference = lambda: super(AscendKernels, self).moe_experts_quantized(x, topk_ids, topk_weights, w13, w2, limit)  # noqa: E731
+        if x.shape[0] == 0 or topk_ids.shape[1] == 0:
+            return reference()
+        from . import npu_quant_ops
+
+        return self._fused(
+            "moe_experts_quantized", (x, w13.codes, w13.scales, w2.codes, w2.scales),
+            lambda tn: npu_quant_ops.moe_experts_quantized(tn, x, topk_ids, topk_weights, w13, w2, limit), reference,
+        )
 
     # -- Triton-Ascend kernels -----------------------------------------------
 

@@ -6,14 +6,15 @@ batches return without launching anything (the model ops hand them to the
 reference, which computes nothing for them). Dtypes the kernels do not handle
 (anything outside ``launch.KERNEL_DTYPES``, for the DeepSeek-V4 model ops
 outside ``launch.MODEL_DTYPES`` or with operands of mixed dtypes) run the
-reference. ``topk_select`` stays the reference: it is one torch sort.
+reference, and so do quantized weights the kernels cannot read (see
+``_readable``). ``topk_select`` stays the reference: it is one torch sort.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer_interfaces import Kernels
+from deepinfer_interfaces import Kernels, QuantizedWeight
 from deepinfer_interfaces.kernels.moe import SCORING_FUNCS
 
 from .launch import KERNEL_DTYPES, MODEL_DTYPES, check_device
@@ -22,6 +23,21 @@ from .launch import KERNEL_DTYPES, MODEL_DTYPES, check_device
 def _model_dtypes(*tensors: torch.Tensor) -> bool:
     """True when every tensor has one dtype the model kernels handle."""
     return tensors[0].dtype in MODEL_DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)
+
+
+def _readable(weight: QuantizedWeight, dims: int) -> bool:
+    """True when the kernels decode ``weight``'s codes and scales as stored (a ``dims``-dimensional weight)."""
+    codes = (torch.uint8, torch.float8_e4m3fn) if weight.fmt == "e4m3" else (torch.uint8,)
+    *lead, n, k = weight.shape
+    bn, bk = weight.block
+    return (
+        weight.codes.dim() == dims
+        and weight.codes.dtype in codes
+        and weight.scales.dtype in (torch.uint8, torch.float32)
+        and bn >= 1
+        and bk >= 1
+        and tuple(weight.scales.shape) == (*lead, -(-n // bn), -(-k // bk))
+    )
 
 
 class CUDAKernels(Kernels):
@@ -223,6 +239,42 @@ class CUDAKernels(Kernels):
         if x.shape[0] == 0 or topk_ids.shape[-1] == 0 or w13.shape[0] == 0 or not _model_dtypes(x, w13, w2):
             return super().moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
         check_device("moe_experts", x, topk_ids, topk_weights, w13, w2)
+        from .triton_experts import moe_experts
+
+        return moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+
+    def fp8_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        """Block-scaled GEMM: FP8 tensor cores over per-token e4m3 activations where the GPU has them,
+        weight tiles decoded in the kernel otherwise (see ``Kernels.fp8_linear``)."""
+        if x.dim() != 2 or x.dtype not in MODEL_DTYPES or not _readable(weight, 2):
+            return super().fp8_linear(x, weight)
+        n = weight.shape[0]
+        if x.shape[0] == 0 or n == 0:
+            return x.new_zeros(x.shape[0], n)
+        check_device("fp8_linear", x, weight.codes, weight.scales)
+        from .triton_fp8 import fp8_linear
+
+        return fp8_linear(x, weight)
+
+    def moe_experts_quantized(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: QuantizedWeight,
+        w2: QuantizedWeight,
+        limit: float | None,
+    ) -> torch.Tensor:
+        """The grouped expert kernels with FP8 / FP4 codes decoded inside both matmuls (see ``Kernels.moe_experts_quantized``)."""
+        if (
+            x.shape[0] == 0
+            or topk_ids.shape[-1] == 0
+            or w13.shape[0] == 0
+            or x.dtype not in MODEL_DTYPES
+            or not (_readable(w13, 3) and _readable(w2, 3))
+        ):
+            return super().moe_experts_quantized(x, topk_ids, topk_weights, w13, w2, limit)
+        check_device("moe_experts_quantized", x, topk_ids, topk_weights, w13.codes, w13.scales, w2.codes, w2.scales)
         from .triton_experts import moe_experts
 
         return moe_experts(x, topk_ids, topk_weights, w13, w2, limit)

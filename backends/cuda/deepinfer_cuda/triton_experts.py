@@ -1,5 +1,9 @@
 """Grouped clamped-SwiGLU experts: two grouped matmuls over (token, expert) pairs sorted by expert.
 
+The expert weights are plain tensors (``moe_experts``) or block-scaled FP8 /
+FP4 codes (``moe_experts_quantized``), decoded tile by tile inside both
+matmuls (``triton_dequant.weight_dot``); everything else is shared.
+
 Torch lays out the work without a host sync: the ``T·k`` (token, slot) pairs
 are sorted by expert and each expert's run is padded to a multiple of
 ``BLOCK_M``, so every row tile belongs to one expert. The grid is sized for
@@ -21,8 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_interfaces.quant import QuantizedWeight
+
 from .launch import autotune_configs, choose, interpreting, num_warps_for
 from .triton_common import dot_operands
+from .triton_dequant import WeightOperand, weight_dot
 
 
 def _configs() -> list[triton.Config]:
@@ -42,13 +49,13 @@ def _prune(configs: list[triton.Config], nargs: dict, **_: object) -> list[trito
     return fit or configs[:1]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "FMT"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _up_kernel(
-    x_ptr, w_ptr, act_ptr, pairs_ptr, block_expert_ptr,
-    E, N, K, TOPK, stride_x, stride_we, stride_wn, stride_a, limit,
-    HAS_LIMIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, act_ptr, pairs_ptr, block_expert_ptr,
+    E, N, K, TOPK, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_a, limit,
+    HAS_LIMIT: tl.constexpr, FMT: tl.constexpr, BN_W: tl.constexpr, BK_W: tl.constexpr, UE8M0: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
@@ -61,17 +68,16 @@ def _up_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < K
-        a = tl.load(x_ptr + tok[:, None] * stride_x + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=w_mask, other=0.0).to(DOT)
-        wu = tl.load(w_base + (N + n[None, :]).to(tl.int64) * stride_wn + kk[:, None], mask=w_mask, other=0.0).to(DOT)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+        a = tl.load(x_ptr + tok[:, None] * stride_x + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0).to(DOT)
+        acc_g = weight_dot(acc_g, a, w_base, s_base, n, n_ok, k0, K, stride_wn, stride_sn,
+                           FMT, BN_W, BK_W, UE8M0, DOT, PREC, BLOCK_N, BLOCK_K)
+        acc_u = weight_dot(acc_u, a, w_base, s_base, N + n, n_ok, k0, K, stride_wn, stride_sn,
+                           FMT, BN_W, BK_W, UE8M0, DOT, PREC, BLOCK_N, BLOCK_K)
     if HAS_LIMIT:
         acc_g = tl.minimum(acc_g, limit)
         acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -79,13 +85,13 @@ def _up_kernel(
     tl.store(act_ptr + offs_m[:, None] * stride_a + n[None, :], act.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "FMT"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
-    E, N, K, stride_a, stride_we, stride_wn, stride_y,
-    DOT: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    act_ptr, w_ptr, s_ptr, y_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
+    E, N, K, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_y,
+    FMT: tl.constexpr, BN_W: tl.constexpr, BK_W: tl.constexpr, UE8M0: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
@@ -97,13 +103,13 @@ def _down_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < K
-        a = tl.load(act_ptr + offs_m[:, None] * stride_a + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
-        w = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(DOT)
-        acc = tl.dot(a, w, acc, input_precision=PREC)
+        a = tl.load(act_ptr + offs_m[:, None] * stride_a + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0).to(DOT)
+        acc = weight_dot(acc, a, w_base, s_base, n, n_ok, k0, K, stride_wn, stride_sn,
+                         FMT, BN_W, BK_W, UE8M0, DOT, PREC, BLOCK_N, BLOCK_K)
     wt = tl.load(weights_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     dst = tl.where(m_ok, pair, 0)
@@ -160,30 +166,40 @@ def align_by_expert(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torc
     return pairs[:capacity], block_expert.to(torch.int32)
 
 
+def _strides(t: torch.Tensor) -> tuple[int, int]:
+    """(expert, row) strides of a stacked ``[E, rows, cols]`` tensor."""
+    return t.stride(0), t.stride(1)
+
+
 def moe_experts(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float | None
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor | QuantizedWeight,
+    w2: torch.Tensor | QuantizedWeight,
+    limit: float | None,
 ) -> torch.Tensor:
-    """``Kernels.moe_experts`` on the device for ``T >= 1`` tokens and ``k >= 1`` slots."""
-    if x.dim() != 2 or topk_ids.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+    """``Kernels.moe_experts`` (plain weights) or ``moe_experts_quantized`` (``QuantizedWeight`` stacks)
+    on the device, for ``T >= 1`` tokens and ``k >= 1`` slots."""
+    up, down = WeightOperand.of(w13), WeightOperand.of(w2)
+    if x.dim() != 2 or topk_ids.dim() != 2 or len(up.shape) != 3 or len(down.shape) != 3:
         raise ValueError(
             f"moe_experts: need x [T, D], topk_ids [T, k], w13 [E, 2I, D], w2 [E, D, I]; got {tuple(x.shape)}, "
-            f"{tuple(topk_ids.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}"
+            f"{tuple(topk_ids.shape)}, {up.shape}, {down.shape}"
         )
     tokens, dim = x.shape
-    experts, two_i, _ = w13.shape
+    experts, two_i, _ = up.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     if topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape:
         raise ValueError(
             f"moe_experts: topk_ids and topk_weights must both be [{tokens}, k], got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
         )
-    if tuple(w13.shape) != (experts, 2 * inter, dim) or tuple(w2.shape) != (experts, dim, inter):
+    if up.shape != (experts, 2 * inter, dim) or down.shape != (experts, dim, inter):
         raise ValueError(
-            f"moe_experts: for x [T, {dim}] need w13 [E, 2I, {dim}] and w2 [E, {dim}, I]; got {tuple(w13.shape)} and {tuple(w2.shape)}"
+            f"moe_experts: for x [T, {dim}] need w13 [E, 2I, {dim}] and w2 [E, {dim}, I]; got {up.shape} and {down.shape}"
         )
     x = x if x.stride(-1) == 1 else x.contiguous()
-    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.contiguous()
     dev = x.device
@@ -193,15 +209,16 @@ def moe_experts(
     dot, prec = dot_operands(x.dtype)
     act = torch.empty(pairs.numel(), inter, dtype=x.dtype, device=dev)
     _up_kernel[lambda meta: (tiles, triton.cdiv(inter, meta["BLOCK_N"]))](
-        x, w13, act, pairs, block_expert,
-        experts, inter, dim, top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), 0.0 if limit is None else float(limit),
-        HAS_LIMIT=limit is not None, DOT=dot, PREC=prec, BLOCK_M=block_m,
+        x, up.data, up.scales, act, pairs, block_expert,
+        experts, inter, dim, top_k, x.stride(0), *_strides(up.data), *_strides(up.scales), act.stride(0),
+        0.0 if limit is None else float(limit),
+        HAS_LIMIT=limit is not None, **up.constants(), DOT=dot, PREC=prec, BLOCK_M=block_m,
     )
     y = torch.empty(tokens * top_k, dim, dtype=torch.float32, device=dev)
     _down_kernel[lambda meta: (tiles, triton.cdiv(dim, meta["BLOCK_N"]))](
-        act, w2, y, pairs, block_expert, weights,
-        experts, dim, inter, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        DOT=dot, PREC=prec, BLOCK_M=block_m,
+        act, down.data, down.scales, y, pairs, block_expert, weights,
+        experts, dim, inter, act.stride(0), *_strides(down.data), *_strides(down.scales), y.stride(0),
+        **down.constants(), DOT=dot, PREC=prec, BLOCK_M=block_m,
     )
     out = torch.empty(tokens, dim, dtype=x.dtype, device=dev)
     block_d = min(triton.next_power_of_2(dim), choose(1024, 32))

@@ -19,6 +19,7 @@ from .indexer import IndexerOps
 from .mhc import MHCOps
 from .moe import MoEOps
 from .norm import NormOps
+from .quant import QuantOps
 from .rope import RopeOps
 from .sampling import SamplingOps
 
@@ -34,6 +35,7 @@ class Kernels(
     CompressorOps,
     MHCOps,
     MoEOps,
+    QuantOps,
 ):
     """The reference kernel set, in plain PyTorch; its methods are the specification."""
 

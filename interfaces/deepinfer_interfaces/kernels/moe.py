@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 
@@ -122,39 +123,63 @@ class MoEOps:
         token and keep the chosen results, larger ones run the (token, expert)
         pairs grouped by expert in fixed-size tiles.
         """
-        t, d = x.shape
-        num_experts = w13.shape[0]
-        if t == 0 or num_experts == 0 or topk_ids.shape[1] == 0:
-            return x.new_zeros(t, d)
-        valid = (topk_ids >= 0) & (topk_ids < num_experts)
-        if t * num_experts <= _DENSE_ROWS:
-            out = _dense_experts(x, topk_ids, topk_weights, valid, w13, w2, limit)
-        else:
-            out = _grouped_experts(x, topk_ids, topk_weights, valid, w13, w2, limit)
-        return out.to(x.dtype)
+        acc = acc_dtype(x)
+        return expert_mlp(x, topk_ids, topk_weights, w13, w2, limit, lambda w, index: w[index].to(acc))
 
 
 #: token x expert rows up to which running every expert on every token is cheaper than grouping
 _DENSE_ROWS = 1024
 #: the largest tile of (token, expert) pairs in the grouped path
 _MAX_TILE = 256
+#: weight elements one step of the grouped or dense path decodes at most (bounds memory for big experts)
+_STEP_ELEMENTS = 1 << 24
+
+#: ``fetch(weight, index)``: the experts ``index`` (a slice or an index tensor) of a stacked weight, in fp32/fp64
+ExpertFetch = Callable[[Any, Any], torch.Tensor]
 
 
-def _dense_experts(x, ids, weights, valid, w13, w2, limit) -> torch.Tensor:
+def expert_mlp(x, topk_ids, topk_weights, w13, w2, limit, fetch: ExpertFetch) -> torch.Tensor:
+    """``moe_experts`` for any storage of the stacked weights; ``fetch`` decodes the experts a step needs.
+
+    Nothing here waits for the device: small problems run every expert on every
+    token and keep the chosen results, larger ones run the (token, expert) pairs
+    grouped by expert in fixed-size tiles. Either way at most about
+    ``_STEP_ELEMENTS`` weight elements are decoded at a time.
+    """
+    t, d = x.shape
+    num_experts = w13.shape[0]
+    if t == 0 or num_experts == 0 or topk_ids.shape[1] == 0:
+        return x.new_zeros(t, d)
+    valid = (topk_ids >= 0) & (topk_ids < num_experts)
+    step = max(1, _STEP_ELEMENTS // max(w13.shape[1] * w13.shape[2], 1))
+    if t * num_experts <= _DENSE_ROWS:
+        out = _dense_experts(x, topk_ids, topk_weights, valid, w13, w2, limit, fetch, step)
+    else:
+        out = _grouped_experts(x, topk_ids, topk_weights, valid, w13, w2, limit, fetch, step)
+    return out.to(x.dtype)
+
+
+def _dense_experts(x, ids, weights, valid, w13, w2, limit, fetch: ExpertFetch, step: int) -> torch.Tensor:
     """Every expert on every token; each token keeps its chosen experts' outputs, weighted."""
     acc = acc_dtype(x)
     t, d = x.shape
-    e, two_i, _ = w13.shape
+    e, two_i = w13.shape[0], w13.shape[1]
     safe = torch.where(valid, ids, 0)
     route = torch.zeros(t, e, dtype=acc, device=x.device).scatter_add_(1, safe, torch.where(valid, weights.to(acc), 0))
     chosen = torch.zeros(t, e, dtype=torch.int32, device=x.device).scatter_add_(1, safe, valid.to(torch.int32)) > 0
-    h = (x.to(acc) @ w13.reshape(e * two_i, d).to(acc).t()).view(t, e, two_i)
-    act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit)
-    act = torch.where(chosen[..., None], act * route[..., None], 0)
-    return torch.bmm(act.transpose(0, 1), w2.to(acc).transpose(1, 2)).sum(0)
+    xf = x.to(acc)
+    out = None
+    for a in range(0, e, step):
+        b = min(a + step, e)
+        h = (xf @ fetch(w13, slice(a, b)).reshape((b - a) * two_i, d).t()).view(t, b - a, two_i)
+        act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit)
+        act = torch.where(chosen[:, a:b, None], act * route[:, a:b, None], 0)
+        y = torch.bmm(act.transpose(0, 1), fetch(w2, slice(a, b)).transpose(1, 2)).sum(0)
+        out = y if out is None else out + y
+    return out
 
 
-def _grouped_experts(x, ids, weights, valid, w13, w2, limit) -> torch.Tensor:
+def _grouped_experts(x, ids, weights, valid, w13, w2, limit, fetch: ExpertFetch, step: int) -> torch.Tensor:
     """The pairs sorted by expert, each expert's run padded to whole tiles, one batched matmul per projection.
 
     The tile count is bounded by ``pairs / tile + experts`` whatever the routing,
@@ -162,7 +187,7 @@ def _grouped_experts(x, ids, weights, valid, w13, w2, limit) -> torch.Tensor:
     """
     acc = acc_dtype(x)
     t, d = x.shape
-    e, two_i, _ = w13.shape
+    e, two_i = w13.shape[0], w13.shape[1]
     k = ids.shape[1]
     pairs = t * k
     # each tile copies one expert's weights and each expert's run wastes about half a tile:
@@ -184,10 +209,16 @@ def _grouped_experts(x, ids, weights, valid, w13, w2, limit) -> torch.Tensor:
     tile_expert = torch.bucketize(torch.arange(tiles, device=x.device) * tile, torch.cumsum(padded, 0), right=True).clamp(max=e - 1)
     used = pair_at >= 0
     token = torch.where(used, pair_at // k, 0)
-    xs = x.to(acc)[token].view(tiles, tile, d)
-    h = torch.bmm(xs, w13[tile_expert].to(acc).transpose(1, 2))
     w = torch.where(used, weights.to(acc).flatten()[pair_at.clamp(min=0)], 0)
-    act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit)
-    act = torch.where(used.view(tiles, tile, 1), act * w.view(tiles, tile, 1), 0)
-    y = torch.bmm(act, w2[tile_expert].to(acc).transpose(1, 2)).view(rows, d)
-    return torch.zeros(t, d, dtype=acc, device=x.device).index_add_(0, token, y)
+    xf = x.to(acc)
+    out = torch.zeros(t, d, dtype=acc, device=x.device)
+    for a in range(0, tiles, step):
+        b = min(a + step, tiles)
+        rows_ab = slice(a * tile, b * tile)
+        experts_ab = tile_expert[a:b]
+        h = torch.bmm(xf[token[rows_ab]].view(b - a, tile, d), fetch(w13, experts_ab).transpose(1, 2))
+        act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit)
+        act = torch.where(used[rows_ab].view(b - a, tile, 1), act * w[rows_ab].view(b - a, tile, 1), 0)
+        y = torch.bmm(act, fetch(w2, experts_ab).transpose(1, 2)).view((b - a) * tile, d)
+        out.index_add_(0, token[rows_ab], y)
+    return out

@@ -1,0 +1,237 @@
+"""This rank's share of every MoE layer's routed experts, and how tokens reach them.
+
+Attention is data parallel: each rank runs its own requests. In every MoE
+layer a rank maps its tokens' logical experts to physical replicas (the
+layer's ``ExpertPlacement``, the one logical → physical map), sends them to
+the ranks holding those replicas through the Communicator's ``dispatch``,
+runs the experts it holds on what it received, and brings the results back
+with ``combine``. All ranks step in lockstep, so every rank makes the same
+collective calls in the same order; ``begin_step`` agrees on the step's
+dispatch layout first (fixed capacity when every rank decodes, which needs no
+host sync and can be captured; variable splits for prefill).
+
+Load is counted on the device as tokens are routed (no host sync). Every
+``eplb_interval`` steps the window's load, summed over ranks, gives each layer
+a new placement (``eplb.plan``, the same on every rank); the weights then move
+one layer per step through ``all_to_all``, so no step waits for more than one
+layer's transfer, and a layer switches to its new map exactly when its
+weights have arrived.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer_interfaces import Communicator
+
+from ..errors import ConfigError
+from ..model.moe import ExpertCompute, MoE
+from .eplb import LoadWindow, plan
+from .placement import ExpertPlacement
+
+
+#: the least rise in a layer's expected balancedness worth moving its experts for
+MIN_GAIN = 0.02
+
+
+@dataclass(frozen=True)
+class EPLBSettings:
+    """When and how the balancer re-places experts (0 interval: never)."""
+
+    num_redundant: int = 0
+    interval: int = 0
+    window: int = 64
+    num_nodes: int = 1
+    num_groups: int | None = None
+
+
+@dataclass
+class EPCounters:
+    """What expert parallelism cost and achieved on this rank."""
+
+    dispatch_seconds: float = 0.0
+    combine_seconds: float = 0.0
+    rebalances: int = 0
+    layers_moved: int = 0
+    experts_moved: int = 0
+    #: per layer, mean over max tokens per rank since the last rebalance (None: nothing routed yet)
+    balancedness: list[float | None] = field(default_factory=list)
+    #: over every layer's tokens at once
+    balancedness_total: float | None = None
+    #: the same, for the traffic before the first rebalance
+    balancedness_before: list[float | None] | None = None
+    balancedness_total_before: float | None = None
+
+
+class ExpertParallel:
+    """The ``ExpertSharding`` of one rank: placements, device tables, load counters and weight moves."""
+
+    def __init__(
+        self, comm: Communicator, num_layers: int, num_experts: int, top_k: int, device: torch.device, eplb: EPLBSettings
+    ) -> None:
+        self.comm = comm
+        self.rank, self.world = comm.rank, comm.world_size
+        self.device = torch.device(device)
+        self.top_k = top_k
+        self.eplb = eplb
+        try:
+            identity = ExpertPlacement.identity(num_experts, self.world, eplb.num_redundant)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.placements: list[ExpertPlacement] = [identity] * num_layers
+        self._tables = [identity.to(self.device)] * num_layers
+        physical = identity.num_physical
+        self._physical_load = torch.zeros(num_layers, physical, dtype=torch.int64, device=self.device)
+        self._logical_load = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=self.device)
+        self.window = LoadWindow(eplb.window, num_layers, num_experts)
+        self.capacity: int | None = None
+        self.steps = 0
+        self.counters = EPCounters(balancedness=[None] * num_layers)
+        self._positions: torch.Tensor | None = None
+        self._pending: deque[tuple[int, ExpertPlacement]] = deque()
+        self.moe_layers: list[MoE] = []
+
+    # ----- ExpertSharding -----
+
+    def local_experts(self, layer: int) -> list[int]:
+        return [int(e) for e in self.placements[layer].local_logical(self.rank).tolist()]
+
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        self._positions = positions
+
+    def routed(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, compute: ExpertCompute
+    ) -> torch.Tensor:
+        table = self._tables[layer]
+        # spread over replicas by row and position: rows of one step differ, and so do one row's steps
+        index = torch.arange(x.shape[0], device=x.device)
+        if self._positions is not None and self._positions.shape[0] == x.shape[0]:
+            index = index + self._positions
+        physical = table.to_physical(topk_ids, index)
+        self._count(layer, topk_ids, physical)
+        t0 = time.perf_counter()
+        fixed = {} if self.capacity is None else {"capacity": self.capacity}  # communicators older than the fixed layout
+        got = self.comm.dispatch(x, physical, topk_weights, table.physical_rank, table.physical_local, **fixed)
+        t1 = time.perf_counter()
+        y = compute(got.hidden, got.topk_ids, got.topk_weights)
+        t2 = time.perf_counter()
+        out = self.comm.combine(y, got.handle)
+        self.counters.dispatch_seconds += t1 - t0
+        self.counters.combine_seconds += time.perf_counter() - t2
+        return out
+
+    def _count(self, layer: int, logical: torch.Tensor, physical: torch.Tensor) -> None:
+        """Tokens per logical expert and per physical replica, added on the device."""
+        for load, ids in ((self._logical_load[layer], logical), (self._physical_load[layer], physical)):
+            flat = ids.reshape(-1)
+            load.index_add_(0, flat.clamp(min=0), (flat >= 0).to(torch.int64))
+
+    # ----- the lockstep step -----
+
+    def begin_step(self, num_tokens: int, decode_only: bool) -> int | None:
+        """Agree with every rank on this step's dispatch layout: the fixed capacity (the most tokens any
+        rank brings) when every rank decodes, else None (variable splits). One small all-reduce."""
+        vote = torch.tensor([num_tokens, 0 if decode_only else 1], dtype=torch.int64, device=self.device)
+        self.comm.all_reduce(vote, op="max")
+        most, prefill = (int(v) for v in vote.tolist())
+        self.capacity = None if prefill else max(most, 1)
+        return self.capacity
+
+    def end_step(self) -> None:
+        """After every rank's forward: record the load, re-plan when due, move at most one layer."""
+        self.steps += 1
+        self.window.record(self._logical_load)
+        self._logical_load.zero_()
+        interval = self.eplb.interval
+        if interval and self.steps % interval == 0 and not self._pending:
+            self._replan()
+        if self._pending:
+            layer, placement = self._pending.popleft()
+            self._move(layer, placement)
+
+    def _replan(self) -> None:
+        load = self.comm.all_reduce(self.window.total().to(self.device), op="sum").cpu()
+        self.refresh_balance()
+        if self.counters.balancedness_before is None:
+            self.counters.balancedness_before = list(self.counters.balancedness)
+            self.counters.balancedness_total_before = self.counters.balancedness_total
+        changed = False
+        for layer, current in enumerate(self.placements):
+            new = plan(load[layer], self.world, self.eplb.num_redundant, self.eplb.num_nodes, self.eplb.num_groups, current)
+            # move weights only for a real gain on the measured load (the same decision on every rank)
+            gain = new.expected_balancedness(load[layer]) - current.expected_balancedness(load[layer])
+            if gain > MIN_GAIN and not torch.equal(new.physical_to_logical, current.physical_to_logical):
+                self._pending.append((layer, new))
+                changed = True
+        if changed:
+            self.counters.rebalances += 1
+
+    def refresh_balance(self) -> list[float | None]:
+        """Balancedness per layer of the traffic since the last rebalance, over every rank (collective)."""
+        load = self.comm.all_reduce(self._physical_load.clone(), op="sum").cpu()
+        per_rank = torch.zeros(self.world, dtype=torch.int64)
+        for layer, placement in enumerate(self.placements):
+            self.counters.balancedness[layer] = placement.balancedness(load[layer]) if int(load[layer].sum()) else None
+            per_rank.index_add_(0, placement.physical_rank.cpu(), load[layer])
+        self.counters.balancedness_total = float(per_rank.float().mean() / per_rank.max()) if int(per_rank.sum()) else None
+        return self.counters.balancedness
+
+    def metrics(self) -> dict:
+        """The figures ``get_metrics`` reports (refreshes the balance figures: every rank calls it in the same tick)."""
+        self.refresh_balance()
+        c = self.counters
+        return {
+            "size": self.world, "num_redundant_experts": self.eplb.num_redundant, "eplb_interval": self.eplb.interval,
+            "dispatch_seconds": c.dispatch_seconds, "combine_seconds": c.combine_seconds,
+            "balancedness": list(c.balancedness), "balancedness_total": c.balancedness_total,
+            "balancedness_before": c.balancedness_before, "balancedness_total_before": c.balancedness_total_before,
+            "rebalances": c.rebalances, "layers_moved": c.layers_moved, "experts_moved": c.experts_moved,
+        }
+
+    def _move(self, layer: int, new: ExpertPlacement) -> None:
+        """Switch one layer to ``new``: every slot whose expert changes gets its weights from a rank
+        holding that expert now (itself when it can), all tensors through one ``all_to_all`` each."""
+        old = self.placements[layer]
+        moe = self.moe_layers[layer]
+        moves = {r: new.moved_from(old, r) for r in range(self.world)}
+        held = [int(e) for e in old.local_logical(self.rank).tolist()]
+        send_slots: list[int] = []
+        send_splits = [0] * self.world
+        for dest in range(self.world):
+            if dest == self.rank:
+                continue
+            for _, logical, src in moves[dest]:
+                if src == self.rank:
+                    send_slots.append(held.index(logical))
+                    send_splits[dest] += 1
+        mine = moves[self.rank]
+        recv_slots: list[int] = []
+        recv_splits = [0] * self.world
+        for src in range(self.world):
+            if src == self.rank:
+                continue
+            for slot, _, from_rank in mine:
+                if from_rank == src:
+                    recv_slots.append(slot)
+                    recv_splits[src] += 1
+        local = [(slot, held.index(logical)) for slot, logical, src in mine if src == self.rank]
+        for tensor in moe.expert_tensors():
+            data = tensor.view(torch.uint8) if tensor.element_size() == 1 and tensor.dtype != torch.uint8 else tensor
+            rows = data.reshape(data.shape[0], -1)
+            outgoing = rows[send_slots].contiguous() if send_slots else rows[:0].contiguous()
+            copies = rows[[src for _, src in local]].clone() if local else None
+            incoming = self.comm.all_to_all(outgoing, recv_splits, send_splits)
+            if recv_slots:
+                rows[recv_slots] = incoming
+            if copies is not None:
+                rows[[slot for slot, _ in local]] = copies
+        self.placements[layer] = new
+        self._tables[layer] = new.to(self.device)
+        moe.slots = self.local_experts(layer)
+        self._physical_load[layer].zero_()
+        self.counters.layers_moved += 1
+        self.counters.experts_moved += len(mine)

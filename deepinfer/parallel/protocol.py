@@ -1,0 +1,66 @@
+"""What the front sends the ranks and what they send back, one tick at a time.
+
+Every tick, rank 0 broadcasts the commands the front queued (each names the
+rank it is for, or -1 for all), every rank applies its own, all ranks run one
+step together when any has work, and rank 0 gathers each rank's report.
+Records are plain picklable data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    rank: int
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams | dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Abort:
+    rank: int
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Every rank reports its counters (and refreshes the balance figures, a collective)."""
+
+    rank: int = -1
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    rank: int = -1
+
+
+Command = AddRequest | Abort | Metrics | Shutdown
+
+
+@dataclass
+class Tick:
+    """Rank 0's broadcast: this tick's commands."""
+
+    commands: list[Command] = field(default_factory=list)
+
+
+@dataclass
+class RankReport:
+    """One rank's answer to a tick: snapshots of the requests that changed, and metrics when asked."""
+
+    rank: int
+    outputs: list[RequestOutput] = field(default_factory=list)
+    #: request ids whose last snapshot is in ``outputs`` and which are finished
+    finished: list[str] = field(default_factory=list)
+    #: outstanding tokens (prompt still to compute and tokens still to generate) of its unfinished requests
+    outstanding_tokens: int = 0
+    metrics: dict[str, Any] | None = None
+    #: the rank stepped (ran a forward) this tick
+    stepped: bool = False

@@ -1,0 +1,45 @@
+"""Building one rank: its device, data communicator, control group, expert sharding and engine."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..config import EngineConfig
+from ..engine import Engine, resolve_model_dir
+from ..loader import read_config
+from ..model.config import ModelConfig
+from ..registry import select_backend
+from .expert_parallel import EPLBSettings, ExpertParallel
+from .launch import RankPlace
+from .rank_server import RankServer, control_group
+
+
+def eplb_settings(config: EngineConfig, num_nodes: int = 1) -> EPLBSettings:
+    """The balancer's settings from the engine config."""
+    return EPLBSettings(
+        num_redundant=config.num_redundant_experts, interval=config.eplb_interval, window=config.eplb_window, num_nodes=num_nodes
+    )
+
+
+class RankEngine(RankServer):
+    """A ``RankServer`` that owns its process groups and closes them."""
+
+    def close(self) -> None:
+        self.engine.executor.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_rank(config: EngineConfig, place: RankPlace, control_timeout_s: float | None = None) -> RankEngine:
+    """This process as rank ``place.rank``: every rank must call it (the groups are created collectively)."""
+    backend = select_backend(config.backend, config.kernels, config.interpret)
+    if backend.device.type != "cpu":
+        backend.device.set_device(place.local_rank)
+    comm = backend.make_communicator(place.rank, place.world_size, place.init_method, timeout_s=config.ep_timeout_s)
+    group = control_group(control_timeout_s or config.ep_timeout_s)
+    model_config = ModelConfig.from_hf(read_config(resolve_model_dir(config.model)))
+    sharding = ExpertParallel(
+        comm, model_config.num_hidden_layers, model_config.n_routed_experts, model_config.num_experts_per_tok,
+        backend.device.torch_device, eplb_settings(config, place.num_nodes),
+    )
+    return RankEngine(Engine(config, backend, sharding), group)

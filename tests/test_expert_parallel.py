@@ -1,0 +1,210 @@
+"""Expert parallelism over real gloo processes on the CPU: outputs equal one rank's, each rank holds only
+its experts, rebalancing with redundant experts changes no output and balances the load, and a rank that
+dies stops every process with one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.errors import ConfigError
+from deepinfer.model.model import DeepseekV4Model
+from deepinfer.weight_memory import weight_memory
+from deepinfer_interfaces import Kernels
+from tests.helpers.published import make_published_checkpoint
+
+PROMPTS = [
+    "def read_file(path):",
+    "class Stack:\n    def push(self, item):",
+    "import os\n\ndef walk(top):",
+    [0, 5, 9, 44, 17],
+    "Return the number of",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, prompt_logprobs=1)
+# the bundled model is fp32 on the CPU: lockstep ranks compute the same sums, in the same order
+LOGPROB_TOL = 1e-5
+
+
+def _run(llm: LLM, prompts=PROMPTS, params=GREEDY):
+    outs = llm.generate(prompts, params)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return outs
+
+
+@pytest.fixture(scope="module")
+def single():
+    llm = LLM(backend="cpu", seed=0)
+    return _run(llm)
+
+
+def _prompt_logprobs(out) -> list[float]:
+    return [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_greedy_tokens_and_prompt_logprobs_equal_one_rank(single, ep):
+    llm = LLM(backend="cpu", seed=0, expert_parallel_size=ep)
+    try:
+        outs = _run(llm)
+        assert len(llm.engine.rank_pids) == ep
+        metrics = llm.get_metrics()
+    finally:
+        llm.close()
+    for got, want in zip(outs, single):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].text == want.outputs[0].text
+        a, b = _prompt_logprobs(got), _prompt_logprobs(want)
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= LOGPROB_TOL
+    ep_metrics = metrics["expert_parallel"]
+    assert ep_metrics["size"] == ep and len(metrics["per_rank"]) == ep
+    # requests were spread: every rank generated tokens, and the counters add up
+    assert all(m["generated_tokens"] > 0 for m in metrics["per_rank"])
+    assert metrics["generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert 0.0 < ep_metrics["dispatch_combine_share"] < 1.0
+    assert all(b is not None and 0.0 < b <= 1.0 for b in ep_metrics["balancedness"])
+
+
+def test_rebalancing_with_redundant_experts_keeps_outputs_and_balances_a_skewed_load():
+    # one text repeated: hash layers route by token id and learned routers see the same tokens, so a few
+    # experts take most of the traffic
+    skewed = ["the the the the the the the the the the the the"] * 6
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    want = _run(LLM(backend="cpu", seed=0), skewed, params)
+    llm = LLM(backend="cpu", seed=0, expert_parallel_size=2, num_redundant_experts=2, eplb_interval=6, eplb_window=6)
+    try:
+        got = _run(llm, skewed, params)
+        ep = llm.get_metrics()["expert_parallel"]
+    finally:
+        llm.close()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert ep["rebalances"] >= 1 and ep["experts_moved"] > 0
+    before, after = ep["balancedness_total_before"], ep["balancedness_total"]
+    assert before is not None and before < 0.85, ep
+    assert after >= 0.9, ep
+
+
+def test_an_ep_that_does_not_divide_the_experts_is_refused_with_the_numbers():
+    with pytest.raises(ConfigError, match=r"3.*8"):
+        LLM(backend="cpu", expert_parallel_size=3)
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", "generate", "--backend", "cpu", "--ep", "3", "--prompt", "x"],
+        capture_output=True, text=True, timeout=120,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "3" in lines[0] and "8" in lines[0], proc.stderr
+
+
+class _Shard:
+    """The expert sharding of one rank, for loading only (nothing is routed)."""
+
+    def __init__(self, rank: int, world: int, experts: int) -> None:
+        per = experts // world
+        self.slots = list(range(rank * per, (rank + 1) * per))
+
+    def local_experts(self, layer: int) -> list[int]:
+        return list(self.slots)
+
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        raise AssertionError("not for running")
+
+    def routed(self, *args):
+        raise AssertionError("not for running")
+
+
+def test_each_rank_loads_only_its_experts_quantized_and_holds_what_inspect_says(tmp_path):
+    directory = make_published_checkpoint(tmp_path)
+    full = DeepseekV4Model.from_pretrained(directory, Kernels(), dtype=torch.float32)
+    experts = full.config.n_routed_experts
+    expected = weight_memory(directory, ep=2, dtype=torch.float32).per_rank_bytes
+    for rank in range(2):
+        shard = _Shard(rank, 2, experts)
+        model = DeepseekV4Model.from_pretrained(directory, Kernels(), dtype=torch.float32, sharding=shard)
+        held = model.named_parameters()
+        names = [n for n in held if ".ffn.experts." in n]
+        assert {int(n.split(".ffn.experts.")[1].split(".")[0]) for n in names} == set(shard.slots)
+        assert sum(p.numel() * p.element_size() for p in held.values()) == expected
+        for layer, ref in zip(model.layers, full.layers):
+            assert layer.ffn.w13.codes.dtype == ref.ffn.w13.codes.dtype == torch.uint8  # FP4 pairs, still packed
+            assert torch.equal(layer.ffn.w13.codes, ref.ffn.w13.codes[shard.slots])
+            assert torch.equal(layer.ffn.w2.scales, ref.ffn.w2.scales[shard.slots])
+
+
+_KILLED = textwrap.dedent(
+    """
+    import sys
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.errors import DeepInferError
+    llm = LLM(backend="cpu", expert_parallel_size=2, ep_timeout_s=float(sys.argv[1]))
+    print("pids", *llm.engine.rank_pids, flush=True)
+    try:
+        for out in llm.generate_stream(["def f(x):"] * 4, SamplingParams(temperature=0.0, max_tokens=5000, ignore_eos=True)):
+            print("token", flush=True)
+    except DeepInferError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(3)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize(
+    "sig, timeout_s, says",
+    [(signal.SIGKILL, 20, "rank 1 of 2 was killed by signal 9"), (signal.SIGSTOP, 8, "rank 1 of 2 stopped answering")],
+    ids=["killed", "hung"],
+)
+def test_a_dead_or_hung_rank_stops_every_process_with_one_line(sig, timeout_s, says):
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(timeout_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()[1:]]
+        assert len(pids) == 2, proc.stderr.read()
+        assert proc.stdout.readline().strip() == "token"
+        os.kill(pids[1], sig)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids:  # never leave a rank behind, whatever failed above
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 3 and elapsed < 60
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], err
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_generate_with_ep_prints_what_one_rank_prints():
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", "generate", "--backend", "cpu", "--ep", "2", "--prompt", "def add(a, b):",
+         "--max-tokens", "6", "--stats"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    single = subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", "generate", "--backend", "cpu", "--prompt", "def add(a, b):", "--max-tokens", "6"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.stdout == single.stdout
+    assert "EP 2: balancedness" in proc.stderr
