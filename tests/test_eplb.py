@@ -93,3 +93,76 @@ def test_the_load_window_keeps_the_last_steps_only():
     for step in range(5):
         w.record(torch.full((2, 4), step + 1, dtype=torch.int64))
     assert torch.equal(w.total(), torch.full((2, 4), 3 + 4 + 5, dtype=torch.int64))
+
+
+def _routed_tokens(num_tokens: int, seed: int, num_experts: int = 64, top_k: int = 6) -> torch.Tensor:
+    """``[T, K]`` distinct experts per token, drawn from a zipf popularity (as a router's skew looks)."""
+    popularity = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.2
+    gen = torch.Generator().manual_seed(seed)
+    return torch.multinomial(popularity.expand(num_tokens, -1), top_k, replacement=False, generator=gen)
+
+
+def _slot_counts(p: ExpertPlacement, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    phys = p.to_physical(ids, index).reshape(-1)
+    return torch.bincount(phys[phys >= 0], minlength=p.num_physical)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_replicas_share_tokens_evenly_whatever_the_top_k_and_the_index_stride(replicas: int, stride: int):
+    # V4 routes 6 experts per token: 2 and 3 divide 6, the hot expert always sits in slot 0, and the
+    # index may step by 2 (row + position within one prefill)
+    slots = [0, 1, 2, 3] + [0] * (replicas - 1)
+    slots += [1] * (-len(slots) % 2)
+    p = ExpertPlacement(4, 2, torch.tensor(slots))
+    ids = torch.tensor([[0, 1, 2, 3, -1, -1]] * 1200)
+    index = stride * torch.arange(1200) + 7
+    counts = _slot_counts(p, ids, index)[p.logical_to_physical[0, :replicas]].double()
+    assert (counts / counts.sum() - 1 / replicas).abs().max() < 0.05, counts.tolist()
+
+
+def test_routing_real_tokens_through_the_plan_balances_the_ranks():
+    ids_window, ids_next = _routed_tokens(4096, 0), _routed_tokens(4096, 1)
+    load = torch.bincount(ids_window.reshape(-1), minlength=64)  # what the window measured
+    identity, planned = ExpertPlacement.identity(64, 8), plan(load, 8, 8)
+    index = torch.arange(ids_next.shape[0])  # the next tokens, routed through each placement
+    before = identity.balancedness(_slot_counts(identity, ids_next, index))
+    after = planned.balancedness(_slot_counts(planned, ids_next, index))
+    assert before < 0.5 and after >= 0.9, (before, after)
+
+
+def test_placements_compare_by_value_and_describe_where_dispatch_sends_each_slot():
+    p = plan(_zipf(16), 4, 4)
+    assert p == plan(_zipf(16), 4, 4) and hash(p) == hash(plan(_zipf(16), 4, 4))
+    assert p != ExpertPlacement.identity(16, 4, 4) and p != ExpertPlacement.identity(20, 4)
+    for s in range(p.num_physical):  # the receiving rank's local slot holds the expert the token asked for
+        rank, local = int(p.physical_rank[s]), int(p.physical_local[s])
+        assert int(p.local_logical(rank)[local]) == int(p.physical_to_logical[s])
+
+
+def test_bad_placements_plans_and_loads_are_refused_with_the_numbers():
+    with pytest.raises(ValueError, match=r"--ep 3 does not divide .* = 256 \+ 0; choose an EP degree that divides 256"):
+        ExpertPlacement.identity(256, 3)
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        ExpertPlacement(4, 2, torch.arange(4.0))
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        ExpertPlacement(4, 2, torch.arange(4).view(2, 2))
+    with pytest.raises(ValueError, match="at least one expert and one rank"):
+        ExpertPlacement(4, 0, torch.arange(4))
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+        ExpertPlacement(4, 2, torch.tensor([0, 1, 2, 4]))
+    assert ExpertPlacement(4, 2, torch.arange(4, dtype=torch.int32)).physical_to_logical.dtype == torch.int64
+    p = ExpertPlacement.identity(8, 2)
+    with pytest.raises(ValueError, match="cannot move"):
+        p.moved_from(ExpertPlacement.identity(8, 2, 2), 0)
+    with pytest.raises(ValueError, match=r"one count per physical slot \[8\]"):
+        p.balancedness(torch.ones(10))
+    assert p.balancedness(torch.zeros(8)) == 1.0
+    with pytest.raises(ValueError, match=r"load of each logical expert \[L\]"):
+        plan(torch.ones(2, 4), 2, 0)
+    with pytest.raises(ValueError, match="num_redundant >= 0"):
+        plan(torch.ones(8), 2, -2)
+    with pytest.raises(ValueError, match=r"\[layers, L\] = \[2, 4\]"):
+        LoadWindow(3, 2, 4).record(torch.ones(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="eplb_window = 0"):
+        LoadWindow(0, 2, 4)

@@ -76,9 +76,9 @@ def test_rebalancing_with_redundant_experts_keeps_outputs_and_balances_a_skewed_
     # one text repeated: hash layers route by token id and learned routers see the same tokens, so a few
     # experts take most of the traffic
     skewed = ["the the the the the the the the the the the the"] * 6
-    params = SamplingParams(temperature=0.0, max_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     want = _run(LLM(backend="cpu", seed=0), skewed, params)
-    llm = LLM(backend="cpu", seed=0, expert_parallel_size=2, num_redundant_experts=2, eplb_interval=6, eplb_window=6)
+    llm = LLM(backend="cpu", seed=0, expert_parallel_size=2, num_redundant_experts=2, eplb_interval=8, eplb_window=8)
     try:
         got = _run(llm, skewed, params)
         ep = llm.get_metrics()["expert_parallel"]

@@ -72,6 +72,10 @@ def plan(
 ) -> ExpertPlacement:
     """A placement for one layer from ``load`` ``[L]`` (tokens per logical expert); ``current`` keeps
     experts in the slots they already occupy where the plan allows."""
+    if load.dim() != 1 or load.numel() == 0:
+        raise ValueError(f"plan needs the load of each logical expert [L]; got shape {tuple(load.shape)}")
+    if world_size < 1 or num_redundant < 0 or num_nodes < 1:
+        raise ValueError(f"plan needs world_size >= 1, num_redundant >= 0, num_nodes >= 1; got {world_size}, {num_redundant}, {num_nodes}")
     values = [float(v) for v in load.double().cpu().tolist()]
     num_logical = len(values)
     physical = num_logical + num_redundant
@@ -105,9 +109,14 @@ def plan(
 
 
 class LoadWindow:
-    """The last ``window`` steps of tokens per layer and logical expert, as a ring on the load's device."""
+    """The last ``window`` steps of tokens per layer and logical expert, as a ring on the load's device.
+
+    Counts are kept per logical expert, not per physical slot, so steps recorded before a layer's
+    placement changed still add up to the right experts after it."""
 
     def __init__(self, window: int, num_layers: int, num_logical: int) -> None:
+        if window < 1:
+            raise ValueError(f"the load window needs at least one step; got eplb_window = {window}")
         self.window = window
         self.shape = (num_layers, num_logical)
         self._ring: torch.Tensor | None = None
@@ -115,6 +124,8 @@ class LoadWindow:
 
     def record(self, step_load: torch.Tensor) -> None:
         """Add one step's ``[layers, L]`` counts, dropping the oldest step once the window is full."""
+        if tuple(step_load.shape) != self.shape:
+            raise ValueError(f"a step's load must be [layers, L] = {list(self.shape)}; got {list(step_load.shape)}")
         if self._ring is None:
             self._ring = torch.zeros(self.window, *self.shape, dtype=torch.int64, device=step_load.device)
         self._ring[self.steps % self.window].copy_(step_load)
