@@ -16,6 +16,7 @@ from typing import Any
 from stevedore import ExtensionManager
 
 from deepinfer_interfaces import INTERFACE_VERSION, Backend, Communicator, Device, Kernels
+from deepinfer_interfaces.errors import first_line
 from deepinfer_interfaces.version import major
 
 from .errors import PluginError
@@ -39,11 +40,6 @@ class Plugin:
     error: str | None = None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def _packages(namespace: str) -> dict[str, str]:
     """Entry-point name to the distribution that declares it."""
     out: dict[str, str] = {}
@@ -62,7 +58,7 @@ def discover(kind: str) -> dict[str, Plugin]:
 
     def failed(_manager: Any, entry_point: Any, exc: BaseException) -> None:
         name = entry_point.name
-        found[name] = Plugin(name, namespace, packages.get(name), error=_first_line(exc))
+        found[name] = Plugin(name, namespace, packages.get(name), error=first_line(exc))
 
     manager = ExtensionManager(namespace, invoke_on_load=False, on_load_failure_callback=failed)
     for ext in manager.extensions:
@@ -142,7 +138,7 @@ def backend_status(plugin: Plugin) -> BackendStatus:
         try:
             ok, reason = cls.is_available()
         except Exception as exc:  # a plugin's availability check must not stop discovery
-            ok, reason = False, f"is_available() raised {_first_line(exc)}"
+            ok, reason = False, f"is_available() raised {first_line(exc)}"
         status.available, status.reason = bool(ok), (None if ok else reason or "unavailable (no reason given)")
     return status
 

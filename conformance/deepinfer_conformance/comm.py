@@ -11,24 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from deepinfer_interfaces import Communicator
+from deepinfer_interfaces.distributed import free_local_port
 
 from .comm_cases import CommCase, comm_cases
 from .results import CaseResult
 
 _SEVERITY = {"pass": 0, "fail": 1, "error": 2}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def class_path(cls: type) -> str:
@@ -67,7 +61,7 @@ def run_world(
     cfg = {
         "world": world, "backend": backend, "kernels": kernels, "interpret": interpret,
         "communicator": class_path(communicator_cls) if communicator_cls is not None else None,
-        "init_method": f"tcp://127.0.0.1:{_free_port()}", "sys_path": sys.path,
+        "init_method": f"tcp://127.0.0.1:{free_local_port()}", "sys_path": sys.path,
     }
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="deepinfer-comm-") as scratch:

@@ -13,11 +13,6 @@ import sys
 from typing import Any, TextIO
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-
-
 def _load_class(path: str) -> type:
     module, _, qualname = path.partition(":")
     obj: Any = importlib.import_module(module)
@@ -39,6 +34,7 @@ def run(rank: int, cfg: dict[str, Any]) -> None:
     import torch
 
     from deepinfer.registry import select_backend
+    from deepinfer_interfaces.errors import first_line
 
     from .comm_cases import Context, comm_cases
 
@@ -54,14 +50,14 @@ def run(rank: int, cfg: dict[str, Any]) -> None:
             comm = selected.make_communicator(rank, world, cfg["init_method"])
             ctx = Context(rank, world, selected.device.torch_device, cfg["scratch"])
         except Exception as exc:
-            _report(out, "fatal", "error", f"could not build the communicator: {_first_line(exc)}")
+            _report(out, "fatal", "error", f"could not build the communicator: {first_line(exc)}")
             return
         for index, case in enumerate(comm_cases(world)):
             try:
                 problem = case.run(comm, ctx)
                 _report(out, index, "pass" if problem is None else "fail", problem or "")
             except Exception as exc:  # reported per case; the next cases still run
-                _report(out, index, "error", _first_line(exc))
+                _report(out, index, "error", first_line(exc))
         comm.close()
         _report(out, "done", "pass")
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from deepinfer_interfaces import Device, Kernels, NotSupportedError, QuantizedWeight
+from deepinfer_interfaces.errors import first_line
 from deepinfer_interfaces.specs import SPECS, OpSpec
 
 from .compare import compare
@@ -38,11 +39,6 @@ def _map(value: Any, fn) -> Any:
 def _prepare(spec: OpSpec, kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """Round the cast arguments to ``dtype``; copy everything (ops may work in place)."""
     return {k: _map(v, (lambda t: t.to(dtype)) if k in spec.cast else torch.clone) for k, v in kwargs.items()}
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def override_note(spec: OpSpec, dtype: torch.dtype) -> str:
@@ -93,13 +89,13 @@ def run_spec(spec: OpSpec, kernels: Kernels, device: Device, reference: Kernels 
                 results.append(base)
                 continue
             except Exception as exc:  # reported per case; the suite goes on
-                base.status, base.message = "error", _first_line(exc)
+                base.status, base.message = "error", first_line(exc)
                 results.append(base)
                 continue
             try:
                 cmp = compare(got, expected, tol)
             except Exception as exc:
-                base.status, base.message = "error", _first_line(exc)
+                base.status, base.message = "error", first_line(exc)
                 results.append(base)
                 continue
             base.status, base.message = cmp.status, "; ".join(m for m in (cmp.message, override) if m)

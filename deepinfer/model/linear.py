@@ -33,7 +33,7 @@ EXPERTS = "ffn.experts"
 FP4_BLOCK = (1, 32)
 #: a checkpoint name of a layer's weight or block scale: (layer, role path, leaf)
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|scale)$")
-_EXPERT_ROLE = re.compile(r"^ffn\.experts\.\d+\.w[123]$")
+_EXPERT_ROLE = re.compile(r"^ffn\.experts\.(\d+)\.w[123]$")
 
 
 def role_of(name: str) -> str | None:
@@ -43,6 +43,13 @@ def role_of(name: str) -> str | None:
     if m is None:
         return None
     return EXPERTS if _EXPERT_ROLE.match(m.group(2)) else m.group(2)
+
+
+def expert_of(name: str) -> tuple[int, int] | None:
+    """``(layer, expert)`` of a routed expert's weight or scale named ``name``; None for anything else."""
+    m = _LAYER_PARAM.match(name)
+    e = _EXPERT_ROLE.match(m.group(2)) if m is not None else None
+    return None if e is None else (int(m.group(1)), int(e.group(1)))
 
 
 @dataclass(frozen=True)

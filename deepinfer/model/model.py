@@ -6,8 +6,6 @@ from pathlib import Path
 
 import torch
 
-import re
-
 from deepinfer_interfaces import Kernels
 
 from ..errors import ConfigError
@@ -16,15 +14,11 @@ from .cache import ModelCache
 from .config import ModelConfig
 from .inputs import ForwardInputs, step_inputs
 from .layer import DecoderLayer
-from .linear import QuantPlan
+from .linear import QuantPlan, expert_of
 from .metadata import build_layer_metas
 from .moe import ExpertSharding
 from .params import ParamTree
 from .rope import Rotary
-
-
-#: a routed expert's tensors: layer and expert index
-_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.ffn\.experts\.(\d+)\.")
 
 
 class DeepseekV4Model(ParamTree):
@@ -113,10 +107,10 @@ class DeepseekV4Model(ParamTree):
 
     def foreign_expert(self, name: str) -> bool:
         """True for a checkpoint tensor (model name) of a routed expert this rank does not hold."""
-        m = _EXPERT_NAME.match(name)
-        if m is None:
+        where = expert_of(name)
+        if where is None:
             return False
-        layer, expert = int(m.group(1)), int(m.group(2))
+        layer, expert = where
         return layer < len(self.layers) and expert not in self.layers[layer].ffn.slots
 
     @torch.inference_mode()

@@ -91,7 +91,8 @@ class ExpertParallel:
         self.capacity: int | None = None
         self.steps = 0
         self.counters = EPCounters(balancedness=[None] * num_layers)
-        self._positions: torch.Tensor | None = None
+        #: per token of the current forward, what spreads it over an expert's replicas
+        self._index: torch.Tensor | None = None
         self._pending: deque[tuple[int, ExpertPlacement]] = deque()
         self.moe_layers: list[MoE] = []
 
@@ -101,16 +102,16 @@ class ExpertParallel:
         return [int(e) for e in self.placements[layer].local_logical(self.rank).tolist()]
 
     def begin_forward(self, positions: torch.Tensor) -> None:
-        self._positions = positions
+        # spread over replicas by row and position: rows of one step differ, and so do one row's steps
+        self._index = positions + torch.arange(positions.shape[0], device=positions.device)
 
     def routed(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, compute: ExpertCompute
     ) -> torch.Tensor:
         table = self._tables[layer]
-        # spread over replicas by row and position: rows of one step differ, and so do one row's steps
-        index = torch.arange(x.shape[0], device=x.device)
-        if self._positions is not None and self._positions.shape[0] == x.shape[0]:
-            index = index + self._positions
+        index = self._index if self._index is not None and self._index.shape[0] == x.shape[0] else None
+        if index is None:  # an idle rank's empty step
+            index = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
         physical = table.to_physical(topk_ids, index)
         self._count(layer, topk_ids, physical)
         t0 = time.perf_counter()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,9 @@ import threading
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
+
+from deepinfer_interfaces.distributed import free_local_port
+from deepinfer_interfaces.errors import first_line
 
 from ..config import EngineConfig
 from ..errors import DeepInferError
@@ -57,17 +59,11 @@ def torchrun_rank() -> RankPlace | None:
     return RankPlace(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), "env://", max(1, world // max(local_world, 1)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def first_line(exc: BaseException) -> str:
-    """``exc`` as one line: its type where the message alone says too little."""
-    text = str(exc).strip().splitlines()
-    msg = text[0] if text else ""
-    return msg if isinstance(exc, DeepInferError) and msg else f"{type(exc).__name__}: {msg}".rstrip(": ")
+def failure_line(exc: BaseException) -> str:
+    """A rank's failure as one line: a user-facing error's own message, anything else with its type."""
+    if isinstance(exc, DeepInferError) and str(exc).strip():
+        return str(exc).strip().splitlines()[0]
+    return first_line(exc)
 
 
 def lead(server, conn: Connection) -> None:
@@ -137,7 +133,7 @@ def spawn_ranks(config: EngineConfig, world_size: int, start_timeout_s: float) -
     key = secrets.token_bytes(16)
     listener = Listener(("127.0.0.1", 0), authkey=key)
     log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-ep-"))
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_local_port()}"
     procs = []
     for rank in range(world_size):
         spec = {"place": asdict(RankPlace(rank, world_size, rank, init)), "front": list(listener.address), "key": key.hex(),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from ..config import EngineConfig
 from ..engine import Engine, resolve_model_dir
 from ..loader import read_config
@@ -21,16 +19,7 @@ def eplb_settings(config: EngineConfig, num_nodes: int = 1) -> EPLBSettings:
     )
 
 
-class RankEngine(RankServer):
-    """A ``RankServer`` that owns its process groups and closes them."""
-
-    def close(self) -> None:
-        self.engine.executor.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def build_rank(config: EngineConfig, place: RankPlace, control_timeout_s: float | None = None) -> RankEngine:
+def build_rank(config: EngineConfig, place: RankPlace, control_timeout_s: float | None = None) -> RankServer:
     """This process as rank ``place.rank``: every rank must call it (the groups are created collectively)."""
     backend = select_backend(config.backend, config.kernels, config.interpret)
     if backend.device.type != "cpu":
@@ -42,4 +31,4 @@ def build_rank(config: EngineConfig, place: RankPlace, control_timeout_s: float 
         comm, model_config.num_hidden_layers, model_config.n_routed_experts, model_config.num_experts_per_tok,
         backend.device.torch_device, eplb_settings(config, place.num_nodes),
     )
-    return RankEngine(Engine(config, backend, sharding), group)
+    return RankServer(Engine(config, backend, sharding), group)

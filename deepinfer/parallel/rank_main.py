@@ -9,7 +9,7 @@ import traceback
 
 
 def main() -> int:
-    from .launch import SPEC_ENV, RankPlace, connect_front, first_line, lead
+    from .launch import SPEC_ENV, RankPlace, connect_front, failure_line, lead
 
     spec = json.loads(os.environ[SPEC_ENV])
     place = RankPlace(**spec["place"])
@@ -31,7 +31,7 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure becomes one line for the front
         traceback.print_exc()
         try:
-            conn.send(("error", first_line(exc)))
+            conn.send(("error", failure_line(exc)))
         except OSError:
             pass
         return 1

@@ -87,6 +87,12 @@ class RankServer:
             report.metrics = self.engine.get_metrics()
         return report
 
+    def close(self) -> None:
+        """Stop the engine's executor and leave the process groups."""
+        self.engine.executor.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     def serve(self) -> None:
         """A rank other than 0: take ticks until rank 0 says stop."""
         while not self.stopped:

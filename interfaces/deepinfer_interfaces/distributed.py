@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,13 @@ import torch.distributed as dist
 from .communicator import Communicator
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 free right now, for a local group's rendezvous (``tcp://127.0.0.1:PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _reduce_op(op: str) -> "dist.ReduceOp":
