@@ -83,8 +83,13 @@ class CaptureReport:
 class DecodeGraphs:
     """The graphs of one model and cache, and which one a decode step runs."""
 
-    def __init__(self, model: DeepseekV4Model, cache: ModelCache, device: Device, sizes: list[int], max_model_len: int) -> None:
+    def __init__(
+        self, model: DeepseekV4Model, cache: ModelCache, device: Device, sizes: list[int], max_model_len: int,
+        fix_capacity: Callable[[int], None] | None = None,
+    ) -> None:
         self.model = model
+        #: under expert parallelism: fixes the dispatch layout at a graph's token count before its capture
+        self.fix_capacity = fix_capacity
         self.cache = cache
         self.device = device
         self.sizes = sorted(set(sizes))
@@ -100,7 +105,10 @@ class DecodeGraphs:
         return self.graphs.get((self.sizes[i], self.buckets[j]))
 
     def capture(self, progress: Callable[[int, int], None] | None = None) -> CaptureReport:
-        """Capture every (size, bucket), largest first so smaller graphs reuse the pool's memory."""
+        """Capture every (size, bucket), largest first so smaller graphs reuse the pool's memory.
+
+        The order depends on the configuration alone, so ranks under expert parallelism capture the
+        same graphs in the same order and their collectives meet."""
         geometry = self.cache.geometry
         pool = self.device.new_graph_pool()
         keys = [(s, b) for s in reversed(self.sizes) for b in reversed(self.buckets)]
@@ -114,6 +122,8 @@ class DecodeGraphs:
             fill_step_inputs(host, layout, empty, self.cache)  # all padding: the warm-up runs read and write nothing
             buffer = host_tensor.to(self.device.torch_device, copy=True)
             graph = DecodeGraph(size, bucket, layout, host, host_tensor, layout.forward_inputs(buffer))
+            if self.fix_capacity is not None:
+                self.fix_capacity(layout.shape.tokens)
             try:
                 graph.replay = self.device.capture_graph(self._step_fn(graph.inputs), pool)
             except Exception as exc:

@@ -137,7 +137,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self._graph_mode(cfg):
             sizes = cfg.graph_capture_sizes or default_capture_sizes(cfg.max_num_seqs)
-            self.graphs = DecodeGraphs(self.model, self.cache, self.device, sizes, self.max_model_len)
+            self.graphs = DecodeGraphs(
+                self.model, self.cache, self.device, sizes, self.max_model_len,
+                self.sharding.use_capacity if self.sharding is not None else None,
+            )
+            if self.sharding is not None:
+                self.sharding.capture_sizes = self.graphs.sizes
             report = self.graphs.capture(_progress_line if sys.stderr.isatty() and log.isEnabledFor(logging.INFO) else None)
             self.stats.graphs_captured = report.graphs
             self.stats.graph_capture_seconds = report.seconds
@@ -159,10 +164,6 @@ class ModelRunner:
 
     def _graph_mode(self, cfg: EngineConfig) -> bool:
         caps = self.device.capabilities()
-        if self.sharding is not None:
-            if cfg.enforce_eager is False:
-                log.warning("expert-parallel ranks run eager: decode graphs are not captured under --ep")
-            return False
         if not caps.graph_capture:
             if cfg.enforce_eager is False:
                 log.warning(f"device {self.device.type} has no graph capture; running eager")
@@ -180,13 +181,13 @@ class ModelRunner:
         for s in step.sequences:
             self.cache.set_sequence(s.slot, s.block_table, s.state_floor, s.shared_prefix_tokens)
         batch, rows, placeholders = self._batch(step)
-        graph = self._graph_for(step, batch)
-        if self.sharding is not None:
-            self.sharding.begin_step(batch.num_tokens, all(s.is_decode for s in step.sequences if s.num_tokens))
+        decode = all(s.is_decode for s in step.sequences if s.num_tokens)
+        capacity = self.sharding.begin_step(batch.num_tokens, decode) if self.sharding is not None else None
+        graph = self._graph_for(decode, batch, capacity)
         logits = self._forward(batch, placeholders, graph) if batch.num_seqs else None
         if self.sharding is not None:
             if not batch.num_seqs:
-                self.model.join_step()
+                self._join(capacity)
             self.sharding.end_step()
         for s in step.sequences:
             if s.fork is not None:
@@ -207,10 +208,28 @@ class ModelRunner:
         other ranks' tokens routed to its experts, in every layer."""
         if self.sharding is not None:
             t0 = time.perf_counter()
-            self.sharding.begin_step(0, True)
-            self.model.join_step()
+            self._join(self.sharding.begin_step(0, True))
             self.sharding.end_step()
             self.stats.forward_seconds += time.perf_counter() - t0
+
+    def _join(self, capacity: int | None) -> None:
+        """This rank's part in a step's collectives when it brings no tokens: the graph of the agreed
+        capacity replayed over padding only when there is one, else an eager pass over no rows."""
+        graph = self.graphs.find(capacity, 0) if self.graphs is not None and capacity is not None else None
+        if graph is None or graph.size != capacity:
+            self.model.join_step()
+            return
+        self._copied.synchronize()
+        graph.load(Batch((), (), (), ()), self.cache)
+        self._copied.record()
+        self.stats.graph_replays += 1
+        self._replay(graph)
+
+    def _replay(self, graph: DecodeGraph) -> torch.Tensor:
+        graph.replays += 1
+        sizes = self.stats.graph_replays_by_size
+        sizes[graph.size] = sizes.get(graph.size, 0) + 1
+        return graph.replay()
 
     def _batch(self, step: Step) -> tuple[Batch, dict[str, list[int]], np.ndarray]:
         """The step's sequences that bring tokens as one batch; each one's logits rows; and for every
@@ -257,12 +276,17 @@ class ModelRunner:
             out[s.request_id] = SampledToken(token_list[i], row)
         return out
 
-    def _graph_for(self, step: Step, batch: Batch) -> DecodeGraph | None:
-        if self.graphs is None or not batch.num_seqs:
+    def _graph_for(self, decode: bool, batch: Batch, capacity: int | None) -> DecodeGraph | None:
+        """The graph this step replays: the smallest size holding the batch; under expert parallelism
+        exactly the agreed capacity (its dispatch layout), else none (eager with that capacity)."""
+        if self.graphs is None or not batch.num_seqs or not decode:
             return None
-        if not all(s.is_decode for s in step.sequences if s.num_tokens):
+        if self.sharding is None:
+            return self.graphs.find(batch.num_seqs, batch.max_context_len)
+        if capacity is None:
             return None
-        return self.graphs.find(batch.num_seqs, batch.max_context_len)
+        graph = self.graphs.find(capacity, batch.max_context_len)
+        return graph if graph is not None and graph.size == capacity else None
 
     def _forward(self, batch: Batch, placeholders: np.ndarray, graph: DecodeGraph | None) -> torch.Tensor:
         """fp32 logits of the batch's logits rows: the step's indices in one copy, then a replay or an eager forward."""
@@ -272,8 +296,7 @@ class ModelRunner:
             graph.load(batch, self.cache, placeholders)
             self._copied.record()
             self._fill_placeholders(graph.inputs, placeholders)
-            graph.replays += 1
-            return graph.replay()[: len(batch.logits_indices)].float()
+            return self._replay(graph)[: len(batch.logits_indices)].float()
         layout = StepLayout(StepShape.exact(batch, self.geometry), self.geometry)
         host_tensor = self._host_staging(layout.numel)
         fill_step_inputs(host_tensor.numpy(), layout, batch, self.cache, placeholders)

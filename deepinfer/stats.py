@@ -2,12 +2,12 @@
 
 Each counter has one writer: the scheduler counts what it schedules (steps,
 tokens, prefix hits, preemptions), the engine what the device returns
-(generated tokens, step times, graph replays), the runner what capture cost.
+(generated tokens, step times, graph replays), the runner what capture cost and which graph sizes it replays.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -34,6 +34,8 @@ class EngineStats:
     wall_seconds: float = 0.0
     #: steps whose forward replayed a captured graph
     graph_replays: int = 0
+    #: replays per capture size (an idle expert-parallel rank's replays over padding included): which sizes serve
+    graph_replays_by_size: dict[int, int] = field(default_factory=dict)
     graphs_captured: int = 0
     graph_capture_seconds: float = 0.0
     #: device memory the captured graphs took (free memory before minus after), bytes

@@ -22,7 +22,8 @@ def test_a_placement_checks_its_slots():
     p = ExpertPlacement.identity(8, 2, 2)
     assert p.slots_per_rank == 5 and p.local_logical(1).tolist() == [5, 6, 7, 0, 1]
     assert p.replicas.tolist() == [2, 2, 1, 1, 1, 1, 1, 1]
-    assert p.logical_to_physical[0].tolist() == [0, 8] and p.logical_to_physical[2].tolist() == [2, -1]
+    # as wide as the most replicas any placement of 10 slots can give one of 8 experts: every placement's tables share a shape
+    assert p.logical_to_physical[0].tolist() == [0, 8, -1] and p.logical_to_physical[2].tolist() == [2, -1, -1]
     assert p.physical_rank.tolist() == [0] * 5 + [1] * 5 and p.physical_local.tolist() == [0, 1, 2, 3, 4] * 2
 
 
@@ -166,3 +167,21 @@ def test_bad_placements_plans_and_loads_are_refused_with_the_numbers():
         LoadWindow(3, 2, 4).record(torch.ones(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="eplb_window = 0"):
         LoadWindow(0, 2, 4)
+
+
+def test_device_tables_take_a_new_placement_in_place_and_route_by_it():
+    # a captured graph keeps reading the tables it was captured with: a move must rewrite them, not replace them
+    old = ExpertPlacement.identity(16, 4, 4)
+    new = plan(_zipf(16), 4, 4, current=old)
+    assert new != old and new.logical_to_physical.shape == old.logical_to_physical.shape
+    tables = old.to("cpu")
+    assert tables.physical_to_logical.data_ptr() != old.physical_to_logical.data_ptr()  # tables of its own
+    ptrs = [t.data_ptr() for t in (tables.physical_to_logical, tables.replicas, tables.logical_to_physical)]
+    tables.assign_(new)
+    assert [t.data_ptr() for t in (tables.physical_to_logical, tables.replicas, tables.logical_to_physical)] == ptrs
+    assert tables == new and old == ExpertPlacement.identity(16, 4, 4)
+    ids = torch.randint(0, 16, (64, 4), generator=torch.Generator().manual_seed(0))
+    index = torch.arange(64)
+    assert torch.equal(tables.to_physical(ids, index), new.to_physical(ids, index))
+    with pytest.raises(ValueError, match="cannot assign a placement of 16 experts in 16 slots"):
+        tables.assign_(ExpertPlacement.identity(16, 4))

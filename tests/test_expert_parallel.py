@@ -4,12 +4,14 @@ dies stops every process with one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,10 @@ from deepinfer.errors import ConfigError
 from deepinfer.model.model import DeepseekV4Model
 from deepinfer.weight_memory import weight_memory
 from deepinfer_interfaces import Kernels
+from tests.helpers.graph_devices import make_graph_devices
 from tests.helpers.published import make_published_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS = [
     "def read_file(path):",
@@ -37,6 +42,34 @@ def _run(llm: LLM, prompts=PROMPTS, params=GREEDY):
     outs = llm.generate(prompts, params)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return outs
+
+
+GRAPH_RUN = """
+    import json, sys
+    from deepinfer import LLM, SamplingParams
+    prompts = json.loads(sys.argv[1])
+    # lengths differ: ranks finish at different steps, and an idle rank replays its graph over padding
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True, prompt_logprobs=1) for i in range(len(prompts))]
+
+    def run(**kw):
+        llm = LLM(seed=0, max_model_len=256, max_num_seqs=4, **kw)
+        try:
+            outs = llm.generate(prompts, params)
+            m = llm.get_metrics()
+        finally:
+            llm.close()
+        lps = [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in outs]
+        return dict(tokens=[o.outputs[0].token_ids for o in outs], logprobs=lps, metrics=m)
+
+    eager = run(backend="cpu")
+    graph = run(backend="replay", expert_parallel_size=2, graph_capture_sizes=[1, 2, 4], num_redundant_experts=2,
+                eplb_interval=4, eplb_window=4)
+    m = graph["metrics"]
+    print(json.dumps(dict(eager=eager["tokens"], graph=graph["tokens"], eager_lps=eager["logprobs"], graph_lps=graph["logprobs"],
+                          captured=[r["graphs_captured"] for r in m["per_rank"]], replays=[r["graph_replays"] for r in m["per_rank"]],
+                          by_size=[r["graph_replays_by_size"] for r in m["per_rank"]],
+                          ep=m["expert_parallel"])))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +103,29 @@ def test_greedy_tokens_and_prompt_logprobs_equal_one_rank(single, ep):
     assert metrics["generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs)
     assert 0.0 < ep_metrics["dispatch_combine_share"] < 1.0
     assert all(b is not None and 0.0 < b <= 1.0 for b in ep_metrics["balancedness"])
+
+
+def test_decode_graphs_replay_in_lockstep_under_ep_through_rebalancing(tmp_path):
+    # the `replay` test device captures by default and re-runs the captured step over its static buffers: ranks
+    # must capture the same graphs in the same order and replay the same size each step, or the collectives
+    # inside (fixed-capacity dispatch and combine) do not meet
+    plugins = make_graph_devices(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugins), str(ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(GRAPH_RUN), json.dumps(PROMPTS)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["graph"] == out["eager"]
+    diff = max(abs(a - b) for p, q in zip(out["graph_lps"], out["eager_lps"]) for a, b in zip(p, q))
+    assert diff <= LOGPROB_TOL
+    assert out["captured"] == [3, 3]  # three sizes, one context bucket, on each rank
+    assert all(r > 5 for r in out["replays"]), out["replays"]
+    # every step, every rank replayed the graph of the agreed size (the request counts differ between ranks)
+    assert out["by_size"][0] == out["by_size"][1] and len(out["by_size"][0]) >= 2, out["by_size"]
+    # weights moved between ranks while graphs kept replaying
+    assert out["ep"]["rebalances"] >= 1 and out["ep"]["layers_moved"] > 0, out["ep"]
 
 
 def test_rebalancing_with_redundant_experts_keeps_outputs_and_balances_a_skewed_load():
@@ -112,7 +168,7 @@ class _Shard:
     def local_experts(self, layer: int) -> list[int]:
         return list(self.slots)
 
-    def begin_forward(self, positions: torch.Tensor) -> None:
+    def begin_forward(self, positions: torch.Tensor, live: torch.Tensor) -> None:
         raise AssertionError("not for running")
 
     def routed(self, *args):

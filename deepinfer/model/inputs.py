@@ -105,6 +105,11 @@ class ForwardInputs:
     #: the flat int64 buffer every field is a view of
     buffer: torch.Tensor
 
+    @property
+    def live(self) -> torch.Tensor:
+        """``[T]`` bool: the batch's real tokens (every real token writes its sliding-window row; padding writes none)."""
+        return self.window_write >= 0
+
 
 class StepLayout:
     """Where each field of a ``StepShape`` lives in the flat buffer."""

@@ -134,7 +134,7 @@ class DeepseekV4Model(ParamTree):
         c = self.config
         metas = build_layer_metas(inputs, cache.geometry, self.rope_main, self.rope_compress)
         if self.sharding is not None:
-            self.sharding.begin_forward(inputs.positions)
+            self.sharding.begin_forward(inputs.positions, inputs.live)
         x = self.embed[inputs.input_ids]
         streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
         self.hidden_states = {}

@@ -23,8 +23,9 @@ class ExpertSharding(Protocol):
     def local_experts(self, layer: int) -> list[int]:
         """The logical expert held in each of this rank's expert slots of ``layer``."""
 
-    def begin_forward(self, positions: torch.Tensor) -> None:
-        """The step's token positions ``[T]`` (on the device): they spread tokens over an expert's replicas."""
+    def begin_forward(self, positions: torch.Tensor, live: torch.Tensor) -> None:
+        """The step's token positions ``[T]`` (on the device: they spread tokens over an expert's replicas)
+        and which of its rows are real tokens (``[T]`` bool; padding rows reach no expert)."""
 
     def routed(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, compute: ExpertCompute

@@ -8,7 +8,11 @@ runs the experts it holds on what it received, and brings the results back
 with ``combine``. All ranks step in lockstep, so every rank makes the same
 collective calls in the same order; ``begin_step`` agrees on the step's
 dispatch layout first (fixed capacity when every rank decodes, which needs no
-host sync and can be captured; variable splits for prefill).
+host sync and can be captured; variable splits for prefill). With decode
+graphs the capacity is rounded up to a capture size, the same on every rank,
+so every rank replays a graph of that size (an idle one, over padding only).
+Padding tokens route to no expert. The device tables a graph reads (routing
+tables, load counters, expert weights) are only ever updated in place.
 
 Load is counted on the device as tokens are routed (no host sync). Every
 ``eplb_interval`` steps the window's load, summed over ranks, gives each layer
@@ -20,6 +24,7 @@ weights have arrived.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -83,16 +88,20 @@ class ExpertParallel:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.placements: list[ExpertPlacement] = [identity] * num_layers
-        self._tables = [identity.to(self.device)] * num_layers
+        #: per layer, the device tables the forward routes by (updated in place by ``_move``)
+        self._tables = [identity.to(self.device) for _ in range(num_layers)]
         physical = identity.num_physical
         self._physical_load = torch.zeros(num_layers, physical, dtype=torch.int64, device=self.device)
         self._logical_load = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=self.device)
         self.window = LoadWindow(eplb.window, num_layers, num_experts)
         self.capacity: int | None = None
+        #: the decode graphs' sizes: a fixed capacity is rounded up to one of them (None: no graphs)
+        self.capture_sizes: list[int] | None = None
         self.steps = 0
         self.counters = EPCounters(balancedness=[None] * num_layers)
-        #: per token of the current forward, what spreads it over an expert's replicas
+        #: per token of the current forward, what spreads it over an expert's replicas, and whether it is real
         self._index: torch.Tensor | None = None
+        self._live: torch.Tensor | None = None
         self._pending: deque[tuple[int, ExpertPlacement]] = deque()
         self.moe_layers: list[MoE] = []
 
@@ -101,16 +110,19 @@ class ExpertParallel:
     def local_experts(self, layer: int) -> list[int]:
         return [int(e) for e in self.placements[layer].local_logical(self.rank).tolist()]
 
-    def begin_forward(self, positions: torch.Tensor) -> None:
+    def begin_forward(self, positions: torch.Tensor, live: torch.Tensor) -> None:
         # spread over replicas by row and position: rows of one step differ, and so do one row's steps
         self._index = positions + torch.arange(positions.shape[0], device=positions.device)
+        self._live = live
 
     def routed(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, compute: ExpertCompute
     ) -> torch.Tensor:
         table = self._tables[layer]
-        index = self._index if self._index is not None and self._index.shape[0] == x.shape[0] else None
-        if index is None:  # an idle rank's empty step
+        if self._index is not None and self._index.shape[0] == x.shape[0]:
+            index = self._index
+            topk_ids = torch.where(self._live[:, None], topk_ids, -1)  # padding reaches no expert
+        else:  # an idle rank's empty step
             index = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
         physical = table.to_physical(topk_ids, index)
         self._count(layer, topk_ids, physical)
@@ -134,13 +146,25 @@ class ExpertParallel:
     # ----- the lockstep step -----
 
     def begin_step(self, num_tokens: int, decode_only: bool) -> int | None:
-        """Agree with every rank on this step's dispatch layout: the fixed capacity (the most tokens any
-        rank brings) when every rank decodes, else None (variable splits). One small all-reduce."""
+        """Agree with every rank on this step's dispatch layout: the fixed capacity when every rank
+        decodes, else None (variable splits). The capacity is the most tokens any rank brings, rounded
+        up to the smallest capture size holding it when there are decode graphs (every rank then
+        replays the graph of that size). One small all-reduce."""
         vote = torch.tensor([num_tokens, 0 if decode_only else 1], dtype=torch.int64, device=self.device)
         self.comm.all_reduce(vote, op="max")
         most, prefill = (int(v) for v in vote.tolist())
-        self.capacity = None if prefill else max(most, 1)
+        if prefill:
+            self.capacity = None
+        else:
+            sizes = self.capture_sizes or []
+            i = bisect.bisect_left(sizes, max(most, 1))
+            self.capacity = sizes[i] if i < len(sizes) else max(most, 1)
         return self.capacity
+
+    def use_capacity(self, tokens: int) -> None:
+        """Fix the dispatch layout at ``tokens`` rows per rank without a vote: every rank captures the
+        same graphs in the same order, each with the capacity of its size."""
+        self.capacity = tokens
 
     def end_step(self) -> None:
         """After every rank's forward: record the load, re-plan when due, move at most one layer."""
@@ -231,7 +255,7 @@ class ExpertParallel:
             if copies is not None:
                 rows[[slot for slot, _ in local]] = copies
         self.placements[layer] = new
-        self._tables[layer] = new.to(self.device)
+        self._tables[layer].assign_(new.to(self.device))
         moe.slots = self.local_experts(layer)
         self._physical_load[layer].zero_()
         self.counters.layers_moved += 1

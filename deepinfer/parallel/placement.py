@@ -53,10 +53,11 @@ class ExpertPlacement:
         if int(replicas.min()) < 1:
             missing = int((replicas == 0).nonzero()[0])
             raise ValueError(f"logical expert {missing} has no physical slot; every expert needs at least one")
-        # l2p[e, j]: the j-th slot (ascending) holding expert e, -1 past its replicas
+        # l2p[e, j]: the j-th slot (ascending) holding expert e, -1 past its replicas; as wide as any
+        # placement of these slots can need, so every placement's tables have one shape
         order = torch.sort(p2l * physical + torch.arange(physical, device=p2l.device)).indices
         starts = torch.cumsum(replicas, 0) - replicas
-        width = int(replicas.max())
+        width = physical - self.num_logical + 1
         l2p = torch.full((self.num_logical, width), -1, dtype=torch.int64, device=p2l.device)
         rank_in = torch.arange(physical, device=p2l.device) - starts[p2l[order]]
         l2p[p2l[order], rank_in] = order
@@ -94,8 +95,19 @@ class ExpertPlacement:
         return self.num_physical // self.world_size
 
     def to(self, device: torch.device | str) -> "ExpertPlacement":
-        """The same placement with its tables on ``device``."""
-        return ExpertPlacement(self.num_logical, self.world_size, self.physical_to_logical.to(device))
+        """The same placement with tables of its own on ``device``."""
+        return ExpertPlacement(self.num_logical, self.world_size, self.physical_to_logical.to(device, copy=True))
+
+    def assign_(self, other: "ExpertPlacement") -> None:
+        """Overwrite these tables with ``other``'s, in place: a captured graph that reads them keeps
+        reading the same memory and routes by ``other`` from its next replay."""
+        if (other.num_logical, other.world_size, other.num_physical) != (self.num_logical, self.world_size, self.num_physical):
+            raise ValueError(
+                f"cannot assign a placement of {other.num_logical} experts in {other.num_physical} slots over "
+                f"{other.world_size} ranks to one of {self.num_logical} in {self.num_physical} over {self.world_size}"
+            )
+        for name in ("physical_to_logical", "replicas", "logical_to_physical"):
+            getattr(self, name).copy_(getattr(other, name))
 
     def local_logical(self, rank: int) -> torch.Tensor:
         """The logical expert of each of ``rank``'s slots, in slot order: what the rank loads."""
