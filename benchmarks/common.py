@@ -40,3 +40,14 @@ def emit_json(enabled: bool, figures: dict) -> None:
         import json
 
         print(json.dumps(figures, default=float))
+
+
+def load_script(name: str):
+    """Import ``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package), e.g. to reuse its model."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module

@@ -1,11 +1,12 @@
-"""Analytic cost model of one DeepSeek-V4-Flash MoE layer under expert parallelism (EP), per EP degree.
+"""Analytic cost model of DeepSeek-V4-Flash under expert parallelism (EP): prefill's MoE layer and a whole decode
+step, per EP degree.
 
-What it models: one rank of a deployment whose attention is data-parallel (every rank attends over its own
-sequences) and whose routed experts are sharded over N ranks (256/N each), the shared expert replicated.
-Only the MoE layer is modelled -- dispatch, the routed and shared expert GEMMs, combine. Attention, KV-cache
-reads, the router, sampling and the draft model are left out, so step times are the MoE share of a step and
-nothing else can hide communication.
+Deployment modelled: attention data-parallel (every rank attends over its own sequences), routed experts sharded
+over N ranks (256/N each), every other weight -- attention, compressors, indexer, routers, hyper-connections,
+shared expert, embeddings and head -- replicated on every rank, so it never shrinks with EP.
 
+Prefill (one MoE layer; attention, the same work on every degree at a given batch per rank, is left out, and
+with it whatever it could hide of the communication).
 Per layer, on the busiest rank, for T tokens per rank (global batch N*T, as in DP-attention):
 
 - weights read: the local experts that the global batch's N*T*6 routings hit, expected
@@ -31,12 +32,54 @@ Per layer, on the busiest rank, for T tokens per rank (global batch N*T, as in D
   the busiest of N ranks is ~ ``mean * (1 + cv_rank * sqrt(2 ln N))``. It scales compute, activation traffic
   and received bytes, not weight reads.
 
+Decode (a whole step of one rank: 43 layers of attention and MoE, then the LM head; one new token per sequence,
+MTP off). Every sequence is at the stated context length L (``--context``), the cache laid out as DeepSeek serves
+V4 (``--kv-format fp8``: FP8 K=V entries, FP4 indexer keys) or as this engine's bf16 cache.
+
+- KV read per token and layer: the 128-entry sliding window in every layer; in CSA layers (ratio 4) the
+  lightning indexer scores all L/4 compressed keys (64 heads x 128) and core attention reads the top 512
+  entries; in HCA layers (ratio 128) core attention reads all L/128 entries. Core attention is MQA over one
+  K=V head of 512 with 64 query heads: ``4*64*512`` FLOPs per entry and query, in bf16;
+- replicated weights: every projection (q low-rank pair, kv, compressors, indexer, grouped output pair,
+  router, hyper-connection mixes, the head) streamed once per micro-batch, with its FP8 or bf16 activations in
+  and bf16 out; each kernel is a roofline ``max(FLOPs / rate, bytes / HBM)`` and a part's kernels add up;
+- the MoE parts (shared expert, routed experts, dispatch, combine) as in prefill, at the decode batch;
+- schedule, per row the cheaper of: one batch, ``attn + max(shared, dispatch) + routed + combine`` per layer
+  (the shared expert runs while dispatch is in flight); or DeepSeek's decode pipeline of two micro-batches
+  (open-infra-index day 6 figure; profile-data decode): the compute stream runs
+  ``SHARED(a) ATTN-0(b) | MLP(a) | ATTN-1(b) | SHARED(b) ATTN-0(a) | MLP(b) | ATTN-1(a)`` while the
+  communication stream, which takes no SMs, runs dispatch(a), combine(a), dispatch(b), combine(b) under the
+  1st, 3rd, 4th and 6th slots, so a layer is
+  ``sum over a != b of max(SHARED(a) + ATTN-0(b), DISPATCH(a)) + MLP(a) + max(ATTN-1(b), COMBINE(a))``.
+  ATTN-0 is everything before core attention (hyper-connection mixes, q/kv projections, compressors, the
+  indexer's projections); ATTN-1 is the indexer's scoring, core attention, the output projection and the
+  router. Routed-expert MLPs are never overlapped with communication in this structure;
+- batch per rank: the largest B whose KV cache fits what HBM leaves after this rank's weights (local experts
+  plus every replicated tensor) and DECODE_HBM_RESERVE, and whose whole step takes at most
+  DECODE_STEP_SLO_S. Fewer experts per rank at larger EP leave more HBM for KV, so B can grow with EP;
+  tokens/s per GPU is B over the step.
+
 Objectives. Prefill: minimise GPU-seconds per token, i.e. maximise tokens/s per GPU, among the degrees whose
-weights fit. Decode: maximise tokens/s per GPU at each per-rank batch, among the degrees whose weights (all
-43 layers' local experts plus every replicated tensor) fit in HBM_WEIGHT_FRACTION of HBM, the rest being
-left for KV cache, and whose 43 MoE layers take at most DECODE_STEP_SLO_S. A phase's plan is every degree
-whose worst throughput ratio to the best degree, over that phase's batch sizes, is within PLAN_TOLERANCE of
-the best such ratio; the knee is the first degree whose doubling gains less than PLAN_TOLERANCE.
+weights fit in HBM_WEIGHT_FRACTION of HBM. Decode: maximise tokens/s per GPU at the chosen batch. A phase's plan
+is every degree whose worst throughput ratio to the best degree, over that phase's columns (batch sizes for
+prefill, context lengths for decode), is within PLAN_TOLERANCE of the best such ratio; the knee is the first
+degree whose doubling gains less than PLAN_TOLERANCE.
+
+Left out of decode: sampling, scheduling and launch overheads, the MTP draft, attention load imbalance between
+DP ranks (DeepSeek's decode balancer evens KV use), redundant experts, and elementwise passes under 1 % of a
+layer's bytes (norms, RoPE, cache writes, the compressors' pooling).
+
+What decode finds, and why it is not DeepSeek's V3 plan everywhere. V4-Flash's routed experts are 147 GB in FP4
+and its cache ~3.5 KB per token (V3's MLA: ~70 KB), so on 180 GB B200s the weights leave most of HBM to KV at
+any EP >= 4: from EP 8 to EP 64 the KV budget, and with it the KV-bound batch, grows by ~12 %, not the
+several-fold it grows for V3 on 80 GB H800s. What larger EP buys is fewer local experts to stream per step, and
+that pays only while dispatch and combine stay on the scale-up link: a token's 6 routings move ~74 KB per layer,
+up to 1.7 us on a 50 GB/s NIC once most peers are off the node, against ~0.25 us of its attention work per layer
+at 4K on a B200 (V4's compressed attention is cheap), so the other micro-batch's attention cannot hide the NIC.
+Decode therefore stays inside the NVLink domain: EP 8 on B200 HGX (with ConnectX-8 too), EP 16-64 on GB200 NVL72
+(EP 128 leaves the rack); on the Ascend 950 SuperPoD, whose UnifiedBus domain spans every degree, throughput is
+flat within 10 % from EP 8-16 up to 128-256, best at EP 16-64. Only there does the plan reach the seed's
+"decode at 64-128".
 
 Hardware: NVIDIA B200 in an 8-GPU HGX node (NVLink domain 8, ConnectX-7 400G; ``b200-cx8`` with 800G) and
 in GB200 NVL72 (NVLink domain 72); Huawei Ascend 950PR and 950DT (PR is pitched at prefill, DT at decode;
@@ -44,10 +87,11 @@ in GB200 NVL72 (NVLink domain 72); Huawei Ascend 950PR and 950DT (PR is pitched 
 with its source.
 
     .venv/bin/python benchmarks/ep_plan.py [--hardware b200,gb200-nvl72,ascend950] [--expert-load-cv 0.2]
-                                           [--fp4-math] [--json]
+                                           [--fp4-math] [--context 4096,32768,131072] [--kv-format fp8|bf16]
+                                           [--json]
 
-Tables: one block per per-rank batch, side by side; ``--json`` adds one JSON object (every row, the
-assumptions and the plan per hardware) as the last line of stdout. Pure Python, well under a second.
+Tables: one block per prefill batch or decode context, side by side; ``--json`` adds one JSON object (every
+row, the assumptions and the plan per hardware) as the last line of stdout. Pure Python, well under a second.
 """
 
 from __future__ import annotations
@@ -55,7 +99,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 
 # ---- DeepSeek-V4-Flash, from its config.json ---------------------------------------------------------------
 
@@ -66,16 +112,22 @@ TOP_K = 6  # num_experts_per_tok
 SHARED_EXPERTS = 1  # n_shared_experts
 LAYERS = 43  # num_hidden_layers
 VOCAB = 129280  # vocab_size
-HEADS = 64  # num_attention_heads
+HEADS = 64  # num_attention_heads (one shared K=V head: num_key_value_heads 1)
 HEAD_DIM = 512  # head_dim
+ROPE_DIM = 64  # qk_rope_head_dim
 Q_LORA_RANK = 1024  # q_lora_rank
 O_LORA_RANK = 1024  # o_lora_rank
 O_GROUPS = 8  # o_groups
 INDEX_HEADS = 64  # index_n_heads
 INDEX_HEAD_DIM = 128  # index_head_dim
+INDEX_TOPK = 512  # index_topk: compressed entries each CSA query attends to
+SLIDING_WINDOW = 128  # sliding_window: every layer also attends to its last 128 tokens
+MAX_CONTEXT = 1048576  # max_position_embeddings
 HC_MULT = 4  # hc_mult (hyper-connection streams)
 HASH_LAYERS = 3  # num_hash_layers (router is a token-id hash table there)
 COMPRESS_RATIOS = [0, 0] + [4 if i % 2 else 128 for i in range(1, 42)] + [0]  # compress_ratios
+CSA_RATIO = 4  # compressed sparse attention, with the indexer; the 128 layers are heavily compressed (HCA)
+LAYER_RATIOS = tuple(COMPRESS_RATIOS[:LAYERS])  # the trailing entry is the MTP draft layer, not modelled
 FP8_BLOCK = 128  # quantization_config.weight_block_size, scales UE8M0 (1 byte)
 FP4_GROUP = 32  # e2m1 weights, one UE8M0 scale per 32
 
@@ -90,6 +142,67 @@ DISPATCH_BYTES_PER_PAIR = HIDDEN * (1 + 1 / FP8_BLOCK)
 COMBINE_BYTES_PER_PAIR = HIDDEN * 2
 #: HBM traffic per GEMM row besides weights: FP8 input, FP8 SwiGLU intermediate written and read, bf16 output
 ACTIVATION_BYTES_PER_ROW = HIDDEN * (1 + 1 / FP8_BLOCK) + 2 * MOE_INTERMEDIATE + 2 * HIDDEN
+#: one hyper-connection site per token, besides its mixing GEMM: pre-mix reads the HC_MULT bf16 streams and
+#: writes the layer input, post-mix reads the streams and the layer output and writes the streams
+HC_APPLY_BYTES_PER_TOKEN = (3 * HC_MULT * HIDDEN + 2 * HIDDEN) * 2
+
+# ---- the KV cache ------------------------------------------------------------------------------------------
+# DeepSeek's serving layout for V4 ("MODEL1" in github.com/deepseek-ai/FlashMLA): csrc/api/sparse_decode.h checks
+# ``448 + 64*2 + 448/64 + 1`` bytes per cached token -- tests/quant.py lays it out as 448 e4m3 values, the 64
+# RoPE values in bf16, 7 UE8M0 scales (one per 64) and a pad byte -- and requires the same layout for the
+# sliding-window cache and the compressed ("extra") cache. Its sparse decode kernel dequantises to bf16 and
+# runs the attention math in bf16 (FlashMLA README).
+FP8_KV_ENTRY_BYTES = (HEAD_DIM - ROPE_DIM) + 2 * ROPE_DIM + (HEAD_DIM - ROPE_DIM) // 64 + 1  # 584
+# Indexer keys in FP4 with a 4-byte scale each: github.com/deepseek-ai/DeepGEMM tests/test_attention.py counts
+# ``head_dim / 2 + 4`` bytes per key for fp8_fp4_paged_mqa_logits with FP4 (README news 2026.04.16: "FP4
+# Indexer"); its logits are float32, written by the scoring kernel and read back by the top-k selection.
+FP4_INDEX_KEY_BYTES = INDEX_HEAD_DIM / 2 + 4  # 68
+INDEX_LOGIT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class KvFormat:
+    """Bytes of one cached K=V entry (window and compressed alike) and of one CSA indexer key."""
+
+    key: str
+    entry_bytes: float
+    index_key_bytes: float
+    index_fp4: bool  # the indexer scores at the FP4 tensor-core rate (else bf16)
+    description: str
+
+
+KV_FORMATS: dict[str, KvFormat] = {
+    "fp8": KvFormat("fp8", FP8_KV_ENTRY_BYTES, FP4_INDEX_KEY_BYTES, True,
+                    "DeepSeek's serving layout: FP8 K=V entries (584 B), FP4 indexer keys (68 B)"),
+    "bf16": KvFormat("bf16", 2 * HEAD_DIM, 2 * INDEX_HEAD_DIM, False,
+                     "bf16 K=V entries (1,024 B) and indexer keys (256 B), as deepinfer's cache holds them"),
+}
+
+
+def compressor_state_bytes(ratio: int) -> float:
+    """Per sequence and layer: the compressor's not-yet-pooled windows, kv and gate projections of each token.
+
+    Sized as deepinfer/model/cache_spec.py sizes its state rings for one-token steps: ``overlap * ratio`` rows of
+    width ``overlap * HEAD_DIM`` (CSA entries also pool the previous window, overlap 2) plus, for CSA, the
+    indexer compressor's ``2 * INDEX_HEAD_DIM``; bf16.
+    """
+    if not ratio:
+        return 0.0
+    overlap = 2 if ratio == CSA_RATIO else 1
+    width = overlap * HEAD_DIM + (2 * INDEX_HEAD_DIM if ratio == CSA_RATIO else 0)
+    return 2.0 * overlap * ratio * width * 2
+
+
+def kv_bytes_per_sequence(context: int, fmt: KvFormat) -> float:
+    """Cache one sequence of ``context`` tokens holds over all layers: windows, compressor states, entries."""
+    total = 0.0
+    for ratio in LAYER_RATIOS:
+        total += SLIDING_WINDOW * fmt.entry_bytes + compressor_state_bytes(ratio)
+        if ratio:
+            per_entry = fmt.entry_bytes + (fmt.index_key_bytes if ratio == CSA_RATIO else 0.0)
+            total += context / ratio * per_entry
+    return total
+
 
 GB = 1e9
 TB = 1e12
@@ -165,18 +278,32 @@ LINK_EFFICIENCY = 0.85
 GEMM_ROW_TILE = 64
 EXPERT_LOAD_CV = 0.2  # per-expert load variation within a step after EPLB re-placement (assumption)
 MICRO_BATCHES = 2  # DeepSeek-style two-micro-batch overlap (prefill and decode)
-OVERLAP_RESIDUAL = 0.1  # share of the shorter of work/comm that two micro-batches leave exposed
-HBM_WEIGHT_FRACTION = 0.7  # weights may take this much of HBM; the rest is KV cache and activations
-DECODE_STEP_SLO_S = 0.050  # 43 MoE layers per decode step (20 tokens/s per sequence)
+OVERLAP_RESIDUAL = 0.1  # prefill: share of the shorter of work/comm that two micro-batches leave exposed
+HBM_WEIGHT_FRACTION = 0.7  # prefill: weights may take this much of HBM; the rest is KV cache and activations
+#: bf16 dense tensor-core peak over FP8's: HGX B200 lists 36 / 72 PFLOPS (FP16/BF16 / FP8, with sparsity, 8
+#: GPUs) and GB200 NVL72 360 / 720 per rack; the Ascend 950 announcements give no bf16 figure, assumed alike
+BF16_PER_FP8 = 0.5
+#: of the bf16 (FP4 for FP4 indexer keys) peak, core attention and indexer scoring: FlashMLA's README has its
+#: FP8-KV sparse decode kernel at 410 TFLOPS compute-bound on H800 SXM5, of 989 dense bf16 (NVIDIA H100/H800
+#: datasheet, 1,979 with sparsity); assumed for the indexer too
+ATTENTION_EFFICIENCY = 0.41
+#: decode: HBM kept back from weights and KV for activations, DeepEP buffers, graphs and fragmentation (vLLM's
+#: default gpu_memory_utilization of 0.9 leaves the same share to what its profiler cannot see)
+DECODE_HBM_RESERVE = 0.10
+DECODE_STEP_SLO_S = 0.050  # a whole decode step (43 layers + head): 20 tokens/s per sequence
+#: decode contexts: 4K is DeepSeek's decode profile (github.com/deepseek-ai/profile-data: EP128, 4K prompts,
+#: 128 requests per GPU; their V3/R1 service averaged 4,989 cached tokens per output token, open-infra-index
+#: day 6); 32K and 128K stand for long-context and agentic use of V4's 1M window
+DECODE_CONTEXTS = (4096, 32768, 131072)
 PLAN_TOLERANCE = 0.10  # a degree is in the plan within 10 % of the best objective
 # For scale: DeepSeek's own V3/R1 service (github.com/deepseek-ai/open-infra-index, 202502OpenSourceWeek,
 # day_6_one_more_thing_deepseekV3R1_inference_system_overview.md) runs prefill at routed-expert EP32 over
 # 4 nodes and decode at EP144 over 18 nodes of 8 x H800, with 32 redundant experts; V3's FP8 experts are 3.3x
-# V4-Flash's FP4 ones and H800 HBM is 80 GB at 3.35 TB/s, so weights weigh far more there.
+# V4-Flash's FP4 ones, its MLA cache is ~70 KB per token (61 layers x 576 dims, bf16) against V4-Flash's
+# ~3.5 KB, and H800 HBM is 80 GB at 3.35 TB/s, so weights and KV weigh far more there.
 
 DEGREES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_TOKENS_PER_RANK = (8192, 16384)
-DECODE_TOKENS_PER_RANK = (32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -217,7 +344,7 @@ ALIASES = {"ascend950": ("ascend950pr", "ascend950dt")}
 
 @dataclass
 class Row:
-    """One MoE layer on the busiest rank, for one EP degree and per-rank batch."""
+    """One prefill MoE layer on the busiest rank, for one EP degree and per-rank batch."""
 
     hardware: str
     phase: str
@@ -245,46 +372,149 @@ class Row:
 
 
 @dataclass
+class DecodeRow:
+    """One decode step on the busiest rank, for one EP degree and context, at the batch chosen for it."""
+
+    hardware: str
+    phase: str
+    context: int
+    ep: int
+    micro_batches: int  # 1: one batch; 2: DeepSeek's two-micro-batch decode pipeline
+    experts_per_rank: float
+    weights_held_gb: float  # all layers' local experts + replicated tensors
+    kv_budget_gb: float  # HBM left for KV after the weights and DECODE_HBM_RESERVE
+    kv_mb_per_sequence: float
+    batch_kv_max: int  # sequences per rank whose KV fits
+    batch: int  # sequences per rank chosen: the largest that fits and meets the step bound (0: none)
+    bound: str  # what stops the batch growing: "kv" (HBM), "slo" (step time) or "none" (infeasible)
+    imbalance: float  # busiest rank's routed rows over the mean, per micro-batch
+    attention_ms: float  # per step, summed over layers and micro-batches: ATTN-0 + ATTN-1 kernels
+    moe_ms: float  # shared + routed expert kernels
+    comm_ms: float  # dispatch + combine, as issued (hidden or not)
+    head_ms: float  # the LM head
+    layer_us: float  # one layer after overlap, mean over the 43
+    step_ms: float
+    meets_slo: bool
+    feasible: bool
+    tokens_per_s_per_gpu: float  # 0 when infeasible
+    tokens_per_s_system: float
+    tokens_per_s_per_sequence: float
+    speedup_vs_prev: float | None  # tokens/s per GPU over the previous degree's (None when either is infeasible)
+    best: bool = False
+
+
+@dataclass
 class PhasePlan:
     phase: str
     objective: str
     degrees: list[int]
     low: int
     high: int
-    knee: int | None  # first degree past which doubling gains < 10 % (geometric mean over batches)
+    knee: int | None  # first degree past which doubling gains < 10 % (geometric mean over the columns)
+    best_by_column: dict[str, int] = field(default_factory=dict)  # each batch / context's best degree
+
+
+# ---- replicated weights ------------------------------------------------------------------------------------
+
+BYTES_PER = {"bf16": 2, "f32": 4, "i64": 8}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One replicated weight, and the decode part that streams it.
+
+    part: "pre" (before core attention), "post" (output projection, router, FFN mix), "head" (once per step),
+    "gathered" (only the rows a token picks are read: embeddings, the hash-layer routing table).
+    """
+
+    name: str
+    part: str
+    rows: int
+    cols: int
+    fmt: str  # "fp8" (e4m3 with 128x128 UE8M0 scales), "bf16", "f32", "i64"
+    gemm: bool = True  # tokens multiply through it (else a vector applied elementwise, or a table)
+    groups: int = 1  # a grouped GEMM's input is groups * cols wide
+
+    @property
+    def bytes(self) -> float:
+        if self.fmt == "fp8":
+            return float(self.rows * self.cols
+                         + math.ceil(self.rows / FP8_BLOCK) * math.ceil(self.cols / FP8_BLOCK))
+        return float(self.rows * self.cols * BYTES_PER[self.fmt])
+
+
+def global_tensors() -> list[Tensor]:
+    """Tensors outside the layers: embeddings, the head's hyper-connection mix, final norm, LM head."""
+    return [Tensor("embed", "gathered", VOCAB, HIDDEN, "bf16", gemm=False),
+            Tensor("hc_head", "head", HC_MULT, HC_MULT * HIDDEN, "f32"),
+            Tensor("hc_head_base", "head", 1, HC_MULT + 1, "f32", gemm=False),
+            Tensor("norm", "head", 1, HIDDEN, "bf16", gemm=False),
+            Tensor("head", "head", VOCAB, HIDDEN, "bf16")]
+
+
+@lru_cache(maxsize=None)
+def layer_tensors(ratio: int, hashed: bool) -> tuple[Tensor, ...]:
+    """One layer's replicated tensors but the shared expert, for its compress ratio and router kind."""
+    mix = (2 + HC_MULT) * HC_MULT
+    t = [Tensor("attn_norm", "pre", 1, HIDDEN, "bf16", gemm=False),
+         Tensor("hc_attn", "pre", mix, HC_MULT * HIDDEN, "f32"),
+         Tensor("hc_attn_base", "pre", 1, mix + 3, "f32", gemm=False),
+         Tensor("wq_a", "pre", Q_LORA_RANK, HIDDEN, "fp8"),
+         Tensor("q_norm", "pre", 1, Q_LORA_RANK, "bf16", gemm=False),
+         Tensor("wq_b", "pre", HEADS * HEAD_DIM, Q_LORA_RANK, "fp8"),
+         Tensor("wkv", "pre", HEAD_DIM, HIDDEN, "fp8"),
+         Tensor("kv_norm", "pre", 1, HEAD_DIM, "bf16", gemm=False),
+         Tensor("attn_sink", "post", 1, HEADS, "f32", gemm=False),
+         Tensor("wo_a", "post", O_GROUPS * O_LORA_RANK, HEADS * HEAD_DIM // O_GROUPS, "fp8", groups=O_GROUPS),
+         Tensor("wo_b", "post", HIDDEN, O_GROUPS * O_LORA_RANK, "fp8"),
+         Tensor("ffn_norm", "post", 1, HIDDEN, "bf16", gemm=False),
+         Tensor("hc_ffn", "post", mix, HC_MULT * HIDDEN, "f32"),
+         Tensor("hc_ffn_base", "post", 1, mix + 3, "f32", gemm=False),
+         Tensor("gate", "post", ROUTED_EXPERTS, HIDDEN, "bf16")]
+    if ratio:
+        width = 2 * HEAD_DIM if ratio == CSA_RATIO else HEAD_DIM
+        t += [Tensor("compressor.wkv_wgate", "pre", 2 * width, HIDDEN, "bf16"),
+              Tensor("compressor.ape", "pre", ratio, width, "f32", gemm=False),
+              Tensor("compressor.norm", "pre", 1, HEAD_DIM, "bf16", gemm=False)]
+        if ratio == CSA_RATIO:  # the lightning indexer
+            iwidth = 2 * INDEX_HEAD_DIM
+            t += [Tensor("indexer.wq_b", "pre", INDEX_HEADS * INDEX_HEAD_DIM, Q_LORA_RANK, "fp8"),
+                  Tensor("indexer.weights_proj", "pre", INDEX_HEADS, HIDDEN, "bf16"),
+                  Tensor("indexer.compressor.wkv_wgate", "pre", 2 * iwidth, HIDDEN, "bf16"),
+                  Tensor("indexer.compressor.ape", "pre", ratio, iwidth, "f32", gemm=False),
+                  Tensor("indexer.compressor.norm", "pre", 1, INDEX_HEAD_DIM, "bf16", gemm=False)]
+    if hashed:
+        t.append(Tensor("hash_table", "gathered", VOCAB, TOP_K, "i64", gemm=False))
+    else:
+        t.append(Tensor("gate_bias", "post", 1, ROUTED_EXPERTS, "f32", gemm=False))
+    return tuple(t)
+
+
+def layer_kinds() -> dict[tuple[int, bool], int]:
+    """(compress ratio, hash-routed) of each layer, counted: the layers' distinct shapes."""
+    kinds: dict[tuple[int, bool], int] = {}
+    for layer, ratio in enumerate(LAYER_RATIOS):
+        key = (ratio, layer < HASH_LAYERS)
+        kinds[key] = kinds.get(key, 0) + 1
+    return kinds
+
+
+LAYER_KINDS = layer_kinds()
 
 
 def replicated_weight_bytes() -> float:
     """Bytes every rank holds whatever N: embeddings, head, attention, compressors, routers, shared experts."""
-
-    def fp8(rows: int, cols: int) -> int:
-        return rows * cols + math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK)
-
-    bf16, f32 = 2, 4
-    mix = (2 + HC_MULT) * HC_MULT
-    total = 2 * VOCAB * HIDDEN * bf16 + HIDDEN * bf16 + (HC_MULT * HC_MULT * HIDDEN + HC_MULT + 1) * f32
-    for layer in range(LAYERS):
-        total += 2 * HIDDEN * bf16 + 2 * (mix * HC_MULT * HIDDEN + mix + 3) * f32  # norms, hyper-connections
-        total += fp8(Q_LORA_RANK, HIDDEN) + Q_LORA_RANK * bf16 + fp8(HEADS * HEAD_DIM, Q_LORA_RANK)
-        total += fp8(HEAD_DIM, HIDDEN) + HEAD_DIM * bf16 + HEADS * f32
-        total += fp8(O_GROUPS * O_LORA_RANK, HEADS * HEAD_DIM // O_GROUPS) + fp8(HIDDEN, O_GROUPS * O_LORA_RANK)
-        ratio = COMPRESS_RATIOS[layer]
-        if ratio:
-            width = 2 * HEAD_DIM if ratio == 4 else HEAD_DIM
-            total += 2 * width * HIDDEN * bf16 + ratio * width * f32 + HEAD_DIM * bf16
-            if ratio == 4:  # the lightning indexer
-                total += fp8(INDEX_HEADS * INDEX_HEAD_DIM, Q_LORA_RANK) + INDEX_HEADS * HIDDEN * bf16
-                iwidth = 2 * INDEX_HEAD_DIM
-                total += 2 * iwidth * HIDDEN * bf16 + ratio * iwidth * f32 + INDEX_HEAD_DIM * bf16
-        total += ROUTED_EXPERTS * HIDDEN * bf16
-        total += ROUTED_EXPERTS * f32 if layer >= HASH_LAYERS else VOCAB * TOP_K * 8
-        total += SHARED_EXPERT_BYTES
+    total = sum(t.bytes for t in global_tensors())
+    for (ratio, hashed), count in LAYER_KINDS.items():
+        total += count * (sum(t.bytes for t in layer_tensors(ratio, hashed)) + SHARED_EXPERT_BYTES)
     return float(total)
 
 
 REPLICATED_BYTES = replicated_weight_bytes()
 ROUTED_BYTES = LAYERS * ROUTED_EXPERTS * EXPERT_BYTES
 
+
+# ---- the MoE layer -------------------------------------------------------------------------------------------
 
 def load_imbalance(n: int, rows_per_expert: float, load_cv: float) -> float:
     """Expected busiest-rank routed rows over the mean, for 256/N experts per rank."""
@@ -318,16 +548,44 @@ def padded_rows(rows: float, experts: float, load_cv: float) -> float:
 @dataclass
 class MicroBatch:
     """One micro-batch's MoE layer on the busiest rank: its own grouped GEMMs (weights streamed again) and its
-    own dispatch and combine."""
+    own dispatch and combine. ``compute_s``, ``memory_s`` and ``comm_s`` sum the parts."""
 
     tokens: float
     experts_hit: float
     rows_per_expert: float
     imbalance: float
     weight_bytes: float
-    compute_s: float
-    memory_s: float
-    comm_s: float
+    routed_compute_s: float
+    routed_memory_s: float
+    shared_compute_s: float
+    shared_memory_s: float
+    dispatch_s: float
+    combine_s: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.routed_compute_s + self.shared_compute_s
+
+    @property
+    def memory_s(self) -> float:
+        return self.routed_memory_s + self.shared_memory_s
+
+    @property
+    def comm_s(self) -> float:
+        return self.dispatch_s + self.combine_s
+
+
+def collective_s(hw: Hardware, n: int, received_pairs: float, bytes_per_pair: float) -> float:
+    """One all-to-all that delivers ``received_pairs`` routings to this rank: scale-up and scale-out links at
+    once, plus the fixed and per-peer latency."""
+    if n == 1:
+        return 0.0
+    in_domain = min(n, hw.scale_up_domain)
+    up_bytes = received_pairs * (in_domain - 1) / (n - 1) * bytes_per_pair
+    out_bytes = received_pairs * (n - in_domain) / (n - 1) * bytes_per_pair
+    transfer = max(up_bytes / (hw.scale_up_bw * LINK_EFFICIENCY), out_bytes / (hw.scale_out_bw * LINK_EFFICIENCY))
+    fixed = SCALE_OUT_COLLECTIVE_LATENCY_S if n > in_domain else SCALE_UP_COLLECTIVE_LATENCY_S
+    return transfer + fixed + PER_PEER_LATENCY_S * (n - 1)
 
 
 def micro_batch(hw: Hardware, n: int, tokens: float, *, load_cv: float, fp4_math: bool) -> MicroBatch:
@@ -338,27 +596,22 @@ def micro_batch(hw: Hardware, n: int, tokens: float, *, load_cv: float, fp4_math
     imbalance = load_imbalance(n, rows_per_expert, load_cv)
     routed_rows = pairs * imbalance
 
-    weight_bytes = hit * EXPERT_BYTES + SHARED_EXPERT_BYTES
-    gemm_rows = padded_rows(routed_rows, hit, load_cv) + padded_rows(tokens, SHARED_EXPERTS, 0.0)
-    peak = hw.fp4_flops if fp4_math else hw.fp8_flops
-    compute = gemm_rows * FLOPS_PER_PAIR / (peak * GEMM_EFFICIENCY)
-    memory = (weight_bytes + (routed_rows + tokens) * ACTIVATION_BYTES_PER_ROW) / (hw.hbm_bw * HBM_EFFICIENCY)
-    comm = 0.0
-    if n > 1:
-        in_domain = min(n, hw.scale_up_domain)
-        off_rank = routed_rows * (n - 1) / n  # the busiest rank receives the most
-        per_pair = DISPATCH_BYTES_PER_PAIR + COMBINE_BYTES_PER_PAIR
-        up_bytes = off_rank * (in_domain - 1) / (n - 1) * per_pair
-        out_bytes = off_rank * (n - in_domain) / (n - 1) * per_pair
-        comm = max(up_bytes / (hw.scale_up_bw * LINK_EFFICIENCY), out_bytes / (hw.scale_out_bw * LINK_EFFICIENCY))
-        fixed = SCALE_OUT_COLLECTIVE_LATENCY_S if n > in_domain else SCALE_UP_COLLECTIVE_LATENCY_S
-        comm += 2 * (fixed + PER_PEER_LATENCY_S * (n - 1))  # dispatch and combine
-    return MicroBatch(tokens, hit, rows_per_expert, imbalance, weight_bytes, compute, memory, comm)
+    peak = (hw.fp4_flops if fp4_math else hw.fp8_flops) * GEMM_EFFICIENCY
+    bw = hw.hbm_bw * HBM_EFFICIENCY
+    routed_compute = padded_rows(routed_rows, hit, load_cv) * FLOPS_PER_PAIR / peak
+    shared_compute = padded_rows(tokens, SHARED_EXPERTS, 0.0) * FLOPS_PER_PAIR / peak
+    routed_memory = (hit * EXPERT_BYTES + routed_rows * ACTIVATION_BYTES_PER_ROW) / bw
+    shared_memory = (SHARED_EXPERT_BYTES + tokens * ACTIVATION_BYTES_PER_ROW) / bw
+    received = routed_rows * (n - 1) / n  # the busiest rank receives the most
+    dispatch = collective_s(hw, n, received, DISPATCH_BYTES_PER_PAIR)
+    combine = collective_s(hw, n, received, COMBINE_BYTES_PER_PAIR)
+    return MicroBatch(tokens, hit, rows_per_expert, imbalance, hit * EXPERT_BYTES + SHARED_EXPERT_BYTES,
+                      routed_compute, routed_memory, shared_compute, shared_memory, dispatch, combine)
 
 
 def layer_time(parts: list[MicroBatch]) -> float:
-    """One micro-batch runs its work and communication back to back; two overlap one's communication with the
-    other's work, leaving OVERLAP_RESIDUAL of the shorter side exposed."""
+    """Prefill: one micro-batch runs its work and communication back to back; two overlap one's communication
+    with the other's work, leaving OVERLAP_RESIDUAL of the shorter side exposed."""
     work = sum(max(p.compute_s, p.memory_s) for p in parts)
     comm = sum(p.comm_s for p in parts)
     if len(parts) == 1:
@@ -366,8 +619,8 @@ def layer_time(parts: list[MicroBatch]) -> float:
     return max(work, comm) + OVERLAP_RESIDUAL * min(work, comm)
 
 
-def moe_layer(hw: Hardware, phase: str, n: int, tokens: int, *, load_cv: float, fp4_math: bool) -> Row:
-    """The cheaper of one batch and MICRO_BATCHES overlapped micro-batches (the engine picks its schedule)."""
+def moe_layer(hw: Hardware, n: int, tokens: int, *, load_cv: float, fp4_math: bool) -> Row:
+    """Prefill: the cheaper of one batch and MICRO_BATCHES overlapped micro-batches (the engine picks)."""
     schedules = [[micro_batch(hw, n, tokens, load_cv=load_cv, fp4_math=fp4_math)]]
     if n > 1:
         part = micro_batch(hw, n, tokens / MICRO_BATCHES, load_cv=load_cv, fp4_math=fp4_math)
@@ -378,19 +631,21 @@ def moe_layer(hw: Hardware, phase: str, n: int, tokens: int, *, load_cv: float, 
     step = LAYERS * layer
     held = ROUTED_BYTES / n + REPLICATED_BYTES
     fits = held <= HBM_WEIGHT_FRACTION * hw.hbm_bytes
-    meets_slo = phase == "prefill" or step <= DECODE_STEP_SLO_S
-    feasible = fits and meets_slo
-    per_gpu = tokens / step if feasible else 0.0
+    per_gpu = tokens / step if fits else 0.0
     total = len(parts)
-    return Row(hw.key, phase, tokens, n, total, ROUTED_EXPERTS / n, first.experts_hit, first.rows_per_expert,
+    return Row(hw.key, "prefill", tokens, n, total, ROUTED_EXPERTS / n, first.experts_hit, first.rows_per_expert,
                first.imbalance, total * first.weight_bytes / 1e6, held / GB, fits,
                LAYERS * total * first.compute_s * 1e3, LAYERS * total * first.memory_s * 1e3,
-               LAYERS * total * first.comm_s * 1e3, layer * 1e6, step * 1e3, meets_slo, feasible, per_gpu,
+               LAYERS * total * first.comm_s * 1e3, layer * 1e6, step * 1e3, True, fits, per_gpu,
                per_gpu * n, None)
 
 
-def table(hw: Hardware, phase: str, tokens: int, *, load_cv: float, fp4_math: bool) -> list[Row]:
-    rows = [moe_layer(hw, phase, n, tokens, load_cv=load_cv, fp4_math=fp4_math) for n in DEGREES]
+def table(hw: Hardware, tokens: int, *, load_cv: float, fp4_math: bool) -> list[Row]:
+    return mark_best([moe_layer(hw, n, tokens, load_cv=load_cv, fp4_math=fp4_math) for n in DEGREES])
+
+
+def mark_best(rows: list) -> list:
+    """Fill in each row's gain over the previous degree and flag the best feasible one."""
     for prev, row in zip(rows, rows[1:]):
         if prev.feasible and row.feasible:
             row.speedup_vs_prev = row.tokens_per_s_per_gpu / prev.tokens_per_s_per_gpu
@@ -400,8 +655,210 @@ def table(hw: Hardware, phase: str, tokens: int, *, load_cv: float, fp4_math: bo
     return rows
 
 
-def plan(phase: str, tables: list[list[Row]]) -> PhasePlan:
-    """Degrees whose worst throughput ratio to each batch's best is within PLAN_TOLERANCE of the best such ratio."""
+# ---- the decode step -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rates:
+    """What one rank's kernels run at: FLOP/s per precision (peak x efficiency) and HBM bytes/s."""
+
+    fp8: float
+    bf16: float
+    attention_bf16: float
+    indexer: float
+    hbm: float
+
+    @classmethod
+    def of(cls, hw: Hardware, fmt: KvFormat) -> Rates:
+        bf16 = hw.fp8_flops * BF16_PER_FP8
+        indexer = (hw.fp4_flops if fmt.index_fp4 else bf16) * ATTENTION_EFFICIENCY
+        return cls(hw.fp8_flops * GEMM_EFFICIENCY, bf16 * GEMM_EFFICIENCY, bf16 * ATTENTION_EFFICIENCY, indexer,
+                   hw.hbm_bw * HBM_EFFICIENCY)
+
+
+def roofline(flops: float, rate: float, nbytes: float, hbm: float) -> float:
+    """One kernel: bound by its FLOPs or by its HBM traffic, whichever takes longer."""
+    return max(flops / rate, nbytes / hbm)
+
+
+def tensor_s(t: Tensor, tokens: float, r: Rates) -> float:
+    """One weight's kernel for ``tokens`` rows: the weight streamed once, FP8 (for FP8 weights) or bf16
+    activations in, bf16 out."""
+    if not t.gemm:
+        return t.bytes / r.hbm
+    act_in = 1 if t.fmt == "fp8" else 2
+    nbytes = t.bytes + tokens * (t.groups * t.cols * act_in + t.rows * 2)
+    return roofline(2.0 * t.rows * t.cols * tokens, r.fp8 if t.fmt == "fp8" else r.bf16, nbytes, r.hbm)
+
+
+def attended_entries(ratio: int, context: int) -> float:
+    """K=V entries one decode query reads: the window plus the top-k (CSA) or every entry (HCA)."""
+    window = min(context, SLIDING_WINDOW)
+    if ratio == CSA_RATIO:
+        return window + min(INDEX_TOPK, context / CSA_RATIO)
+    if ratio:
+        return window + context / ratio
+    return window
+
+
+def core_attention_s(ratio: int, tokens: float, context: int, fmt: KvFormat, r: Rates) -> float:
+    """Core attention (MQA, 64 heads over one 512-wide K=V head) plus, for CSA, the indexer's scoring."""
+    entries = attended_entries(ratio, context)
+    q_bytes = HEADS * HEAD_DIM * 2  # bf16 query in, bf16 output out
+    seconds = roofline(4.0 * HEADS * HEAD_DIM * entries * tokens, r.attention_bf16,
+                       tokens * (entries * fmt.entry_bytes + 2 * q_bytes), r.hbm)
+    if ratio == CSA_RATIO:
+        keys = context / CSA_RATIO
+        iq_bytes = INDEX_HEADS * INDEX_HEAD_DIM * (0.5 if fmt.index_fp4 else 2)
+        nbytes = tokens * (keys * (fmt.index_key_bytes + 2 * INDEX_LOGIT_BYTES) + iq_bytes)
+        seconds += roofline(2.0 * INDEX_HEADS * INDEX_HEAD_DIM * keys * tokens, r.indexer, nbytes, r.hbm)
+    return seconds
+
+
+@dataclass(frozen=True)
+class DecodeParts:
+    """One micro-batch's layer on the busiest rank, in seconds, cut where DeepSeek's decode pipeline cuts it."""
+
+    attn_pre_s: float  # ATTN-0: hyper-connection mixes, q/kv projections, compressors, indexer projections
+    attn_core_s: float  # ATTN-1: indexer scoring, core attention, output projection, FFN mix, router
+    shared_s: float
+    routed_s: float
+    dispatch_s: float
+    combine_s: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.attn_pre_s + self.attn_core_s + self.shared_s + self.routed_s
+
+    @property
+    def comm_s(self) -> float:
+        return self.dispatch_s + self.combine_s
+
+
+def attention_s(ratio: int, hashed: bool, tokens: float, context: int, fmt: KvFormat,
+                r: Rates) -> tuple[float, float]:
+    """ATTN-0 and ATTN-1 of one layer for one micro-batch of ``tokens`` decode tokens."""
+    pre = post = tokens * HC_APPLY_BYTES_PER_TOKEN / r.hbm  # attention pre-mix / attention post-mix
+    pre += tokens * HC_APPLY_BYTES_PER_TOKEN / r.hbm  # the previous FFN's post-mix, after combine
+    post += tokens * HC_APPLY_BYTES_PER_TOKEN / r.hbm  # the FFN pre-mix, before the router
+    for t in layer_tensors(ratio, hashed):
+        if t.part == "pre":
+            pre += tensor_s(t, tokens, r)
+        elif t.part == "post":
+            post += tensor_s(t, tokens, r)
+    return pre, post + core_attention_s(ratio, tokens, context, fmt, r)
+
+
+def serial_layer_s(p: DecodeParts) -> float:
+    """One batch: attention, then the shared expert while dispatch is in flight, routed experts, combine."""
+    return p.attn_pre_s + p.attn_core_s + max(p.shared_s, p.dispatch_s) + p.routed_s + p.combine_s
+
+
+def overlapped_layer_s(a: DecodeParts, b: DecodeParts) -> float:
+    """Two micro-batches in DeepSeek's decode pipeline: each one's dispatch runs under its shared expert and the
+    other's ATTN-0, its routed experts run alone, its combine runs under the other's ATTN-1."""
+
+    def half(x: DecodeParts, y: DecodeParts) -> float:
+        return (max(x.shared_s + y.attn_pre_s, x.dispatch_s) + x.routed_s
+                + max(y.attn_core_s, x.combine_s))
+
+    return half(a, b) + half(b, a)
+
+
+def head_s(tokens: float, r: Rates) -> float:
+    """Final hyper-connection mix, norm and the bf16 LM head for one micro-batch."""
+    return sum(tensor_s(t, tokens, r) for t in global_tensors() if t.part == "head")
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A whole decode step of B sequences on one rank, under one schedule."""
+
+    micro_batches: int
+    moe: MicroBatch
+    step_s: float
+    attention_s: float  # kernels, summed over layers and micro-batches
+    moe_s: float
+    comm_s: float
+    head_s: float
+
+
+def decode_step(hw: Hardware, n: int, batch: int, context: int, micro_batches: int, fmt: KvFormat, *,
+                load_cv: float, fp4_math: bool) -> DecodeStep:
+    """Step time of ``batch`` sequences split into ``micro_batches`` equal micro-batches."""
+    r = Rates.of(hw, fmt)
+    tokens = batch / micro_batches
+    moe = micro_batch(hw, n, tokens, load_cv=load_cv, fp4_math=fp4_math)
+    shared = max(moe.shared_compute_s, moe.shared_memory_s)
+    routed = max(moe.routed_compute_s, moe.routed_memory_s)
+    step = attn = 0.0
+    for (ratio, hashed), count in LAYER_KINDS.items():
+        pre, core = attention_s(ratio, hashed, tokens, context, fmt, r)
+        parts = DecodeParts(pre, core, shared, routed, moe.dispatch_s, moe.combine_s)
+        layer = serial_layer_s(parts) if micro_batches == 1 else overlapped_layer_s(parts, parts)
+        step += count * layer
+        attn += count * micro_batches * (pre + core)
+    head = micro_batches * head_s(tokens, r)
+    moe_s = LAYERS * micro_batches * (shared + routed)
+    comm = LAYERS * micro_batches * moe.comm_s
+    return DecodeStep(micro_batches, moe, step + head, attn, moe_s, comm, head)
+
+
+def best_decode_step(hw: Hardware, n: int, batch: int, context: int, fmt: KvFormat, *, load_cv: float,
+                     fp4_math: bool) -> DecodeStep:
+    """The cheaper of one batch and two overlapped micro-batches (two only when there is communication)."""
+    options = [decode_step(hw, n, batch, context, 1, fmt, load_cv=load_cv, fp4_math=fp4_math)]
+    if n > 1 and batch >= MICRO_BATCHES:
+        options.append(decode_step(hw, n, batch, context, MICRO_BATCHES, fmt, load_cv=load_cv, fp4_math=fp4_math))
+    return min(options, key=lambda s: s.step_s)
+
+
+def largest_batch(meets: Callable[[int], bool], limit: int) -> int:
+    """The largest B in [1, limit] with ``meets(B)``, 0 if none; ``meets`` holds up to some B and not past it."""
+    if limit < 1 or not meets(1):
+        return 0
+    if meets(limit):
+        return limit
+    lo, hi = 1, limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def decode_row(hw: Hardware, n: int, context: int, fmt: KvFormat, *, load_cv: float, fp4_math: bool) -> DecodeRow:
+    """Decode at the largest batch per rank whose KV fits and whose step meets DECODE_STEP_SLO_S."""
+    held = ROUTED_BYTES / n + REPLICATED_BYTES
+    budget = hw.hbm_bytes * (1 - DECODE_HBM_RESERVE) - held
+    per_seq = kv_bytes_per_sequence(context, fmt)
+    kv_max = max(0, math.floor(budget / per_seq))
+
+    def step_of(batch: int) -> DecodeStep:
+        return best_decode_step(hw, n, batch, context, fmt, load_cv=load_cv, fp4_math=fp4_math)
+
+    batch = largest_batch(lambda b: step_of(b).step_s <= DECODE_STEP_SLO_S, kv_max)
+    feasible = batch > 0
+    bound = "none" if not feasible else ("kv" if batch == kv_max else "slo")
+    step = step_of(max(batch, 1))
+    per_gpu = batch / step.step_s if feasible else 0.0
+    return DecodeRow(hw.key, "decode", context, n, step.micro_batches, ROUTED_EXPERTS / n, held / GB,
+                     max(budget, 0.0) / GB, per_seq / 1e6, kv_max, batch, bound, step.moe.imbalance,
+                     step.attention_s * 1e3, step.moe_s * 1e3, step.comm_s * 1e3, step.head_s * 1e3,
+                     (step.step_s - step.head_s) / LAYERS * 1e6, step.step_s * 1e3,
+                     step.step_s <= DECODE_STEP_SLO_S, feasible, per_gpu, per_gpu * n,
+                     1 / step.step_s if feasible else 0.0, None)
+
+
+def decode_table(hw: Hardware, context: int, fmt: KvFormat, *, load_cv: float, fp4_math: bool) -> list[DecodeRow]:
+    return mark_best([decode_row(hw, n, context, fmt, load_cv=load_cv, fp4_math=fp4_math) for n in DEGREES])
+
+
+# ---- plans and printing --------------------------------------------------------------------------------------
+
+def plan(phase: str, tables: list[list], columns: list[str]) -> PhasePlan:
+    """Degrees whose worst throughput ratio to each column's best is within PLAN_TOLERANCE of the best such ratio."""
     score: dict[int, float] = {}
     for i, n in enumerate(DEGREES):
         ratios = []
@@ -419,9 +876,11 @@ def plan(phase: str, tables: list[list[Row]]) -> PhasePlan:
                 knee = DEGREES[i]
                 break
     objective = ("min GPU-seconds per token (max tokens/s per GPU), weights fit" if phase == "prefill" else
-                 f"max tokens/s per GPU, weights <= {HBM_WEIGHT_FRACTION:.0%} HBM, "
-                 f"{LAYERS} MoE layers <= {DECODE_STEP_SLO_S * 1e3:.0f} ms")
-    return PhasePlan(phase, objective, degrees, min(degrees) if degrees else 0, max(degrees) if degrees else 0, knee)
+                 f"max tokens/s per GPU at the largest batch whose KV fits HBM after the weights and whose step "
+                 f"(attention + MoE + head) <= {DECODE_STEP_SLO_S * 1e3:.0f} ms")
+    best = {col: next((r.ep for r in rows if r.best), 0) for col, rows in zip(columns, tables)}
+    return PhasePlan(phase, objective, degrees, min(degrees) if degrees else 0, max(degrees) if degrees else 0,
+                     knee, best)
 
 
 def _fmt_rate(x: float) -> str:
@@ -434,20 +893,30 @@ def _fmt_rate(x: float) -> str:
     return f"{x:.0f}"
 
 
+def _fmt_context(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else f"{tokens:,}"
+
+
+def _gain(row) -> str:
+    return f"{row.speedup_vs_prev:.2f}" if row.speedup_vs_prev is not None else "-"
+
+
+def _mark(row) -> str:
+    return "*" if row.best else ("x" if not row.feasible else " ")
+
+
 BLOCK_HEAD = (f"{'mb':>2} {'read MB':>7} {'cmp ms':>6} {'mem ms':>6} {'comm ms':>7} {'layer us':>8} {'tok/s/GPU':>10} "
               f"{'tok/s sys':>9} {'x prev':>6}")
 
 
 def _block(row: Row) -> str:
-    mark = "*" if row.best else ("x" if not row.feasible else " ")
-    gain = f"{row.speedup_vs_prev:.2f}" if row.speedup_vs_prev is not None else "-"
     return (f"{row.micro_batches:>2} {row.weight_read_mb:>7.0f} {row.compute_ms:>6.2f} {row.memory_ms:>6.2f} "
-            f"{row.comm_ms:>7.2f} {row.layer_us:>8.1f} {_fmt_rate(row.tokens_per_s_per_gpu):>9}{mark} "
-            f"{_fmt_rate(row.tokens_per_s_system):>9} {gain:>6}")
+            f"{row.comm_ms:>7.2f} {row.layer_us:>8.1f} {_fmt_rate(row.tokens_per_s_per_gpu):>9}{_mark(row)} "
+            f"{_fmt_rate(row.tokens_per_s_system):>9} {_gain(row):>6}")
 
 
 def print_phase(tables: list[list[Row]]) -> None:
-    """The batch sizes' tables side by side, sharing the per-degree columns on the left."""
+    """The prefill batch sizes' tables side by side, sharing the per-degree columns on the left."""
     left = f"{'EP':>4} {'exp/rk':>6} {'held GB':>7} {'imbal':>5}"
     heads = [f"T={rows[0].tokens_per_rank} tokens/rank".center(len(BLOCK_HEAD)) for rows in tables]
     print(f"{'':>{len(left)}} | " + " | ".join(heads))
@@ -460,70 +929,118 @@ def print_phase(tables: list[list[Row]]) -> None:
               + " | ".join(_block(rows[i]) for rows in tables))
 
 
+DECODE_HEAD = (f"{'B/GPU':>6} {'bind':>4} {'mb':>2} {'attn ms':>7} {'moe ms':>6} {'comm ms':>7} {'step ms':>7} "
+               f"{'tok/s/GPU':>10} {'tok/s sys':>9} {'x prev':>6}")
+
+
+def _decode_block(row: DecodeRow) -> str:
+    if not row.feasible:
+        return f"{'-':>6} {row.bound:>4} " + " " * (len(DECODE_HEAD) - 13) + "x"
+    return (f"{row.batch:>6} {row.bound:>4} {row.micro_batches:>2} {row.attention_ms:>7.2f} {row.moe_ms:>6.2f} "
+            f"{row.comm_ms:>7.2f} {row.step_ms:>7.2f} {_fmt_rate(row.tokens_per_s_per_gpu):>9}{_mark(row)} "
+            f"{_fmt_rate(row.tokens_per_s_system):>9} {_gain(row):>6}")
+
+
+def print_decode(tables: list[list[DecodeRow]]) -> None:
+    """The decode contexts' tables side by side, sharing the per-degree columns on the left."""
+    left = f"{'EP':>4} {'exp/rk':>6} {'held GB':>7} {'KV GB':>6}"
+    heads = [f"context {_fmt_context(rows[0].context)}: {rows[0].kv_mb_per_sequence:.1f} MB KV/seq"
+             .center(len(DECODE_HEAD)) for rows in tables]
+    print(f"{'':>{len(left)}} | " + " | ".join(heads))
+    print(left + " | " + " | ".join(DECODE_HEAD for _ in tables))
+    for i, n in enumerate(DEGREES):
+        first = tables[0][i]
+        print(f"{n:>4} {first.experts_per_rank:>6.0f} {first.weights_held_gb:>7.1f} {first.kv_budget_gb:>6.1f} | "
+              + " | ".join(_decode_block(rows[i]) for rows in tables))
+
+
 def _span(p: PhasePlan) -> str:
     return f"EP {p.low}" if p.low == p.high else f"EP {p.low}–{p.high}"
 
 
-def plan_line(label: str, prefill: PhasePlan, decode: PhasePlan) -> str:
+def plan_line(label: str, prefill: PhasePlan, decode: PhasePlan, decode_tables: list[list[DecodeRow]]) -> str:
     knee = f"past EP {decode.knee}" if decode.knee else "nowhere"
+    best = []
+    for rows in decode_tables:
+        top = next((r for r in rows if r.best), None)
+        if top is not None:
+            best.append(f"{_fmt_context(top.context)} EP {top.ep} at B={top.batch}/GPU ({top.bound}-bound)")
     return (f"plan ({label}): prefill {_span(prefill)}, decode {_span(decode)} "
-            f"(decode gains < {PLAN_TOLERANCE:.0%} per doubling {knee})")
+            f"(gains < {PLAN_TOLERANCE:.0%} per doubling {knee}; best: {', '.join(best) or 'none'})")
 
 
-def run(keys: list[str], *, load_cv: float, fp4_math: bool) -> dict:
+def run(keys: list[str], *, load_cv: float, fp4_math: bool, contexts: tuple[int, ...], fmt: KvFormat) -> dict:
     """Print every hardware's tables and plan; return the figures for ``--json``."""
     out: dict = {
         "model": {"name": "DeepSeek-V4-Flash", "hidden": HIDDEN, "moe_intermediate": MOE_INTERMEDIATE,
                   "routed_experts": ROUTED_EXPERTS, "top_k": TOP_K, "shared_experts": SHARED_EXPERTS, "layers": LAYERS,
                   "expert_bytes": EXPERT_BYTES, "shared_expert_bytes": SHARED_EXPERT_BYTES,
-                  "routed_bytes_all_layers": ROUTED_BYTES, "replicated_bytes": REPLICATED_BYTES},
+                  "routed_bytes_all_layers": ROUTED_BYTES, "replicated_bytes": REPLICATED_BYTES,
+                  "layer_kinds": {f"ratio{r}{'_hash' if h else ''}": c for (r, h), c in LAYER_KINDS.items()},
+                  "kv_format": asdict(fmt),
+                  "kv_bytes_per_sequence": {str(c): kv_bytes_per_sequence(c, fmt) for c in contexts}},
         "assumptions": {"gemm_efficiency": GEMM_EFFICIENCY, "hbm_efficiency": HBM_EFFICIENCY,
                         "link_efficiency": LINK_EFFICIENCY, "gemm_row_tile": GEMM_ROW_TILE, "expert_load_cv": load_cv,
                         "overlap_residual": OVERLAP_RESIDUAL, "hbm_weight_fraction": HBM_WEIGHT_FRACTION,
+                        "bf16_per_fp8": BF16_PER_FP8, "attention_efficiency": ATTENTION_EFFICIENCY,
+                        "decode_hbm_reserve": DECODE_HBM_RESERVE, "decode_contexts": list(contexts),
                         "decode_step_slo_s": DECODE_STEP_SLO_S, "plan_tolerance": PLAN_TOLERANCE,
                         "scale_up_collective_latency_s": SCALE_UP_COLLECTIVE_LATENCY_S,
                         "scale_out_collective_latency_s": SCALE_OUT_COLLECTIVE_LATENCY_S,
                         "per_peer_latency_s": PER_PEER_LATENCY_S, "math": "fp4" if fp4_math else "fp8"},
         "hardware": {},
     }
-    print(f"DeepSeek-V4-Flash MoE layer under EP: routed experts {ROUTED_BYTES / GB:.1f} GB (FP4), replicated "
+    print(f"DeepSeek-V4-Flash under EP: routed experts {ROUTED_BYTES / GB:.1f} GB (FP4), replicated "
           f"{REPLICATED_BYTES / GB:.2f} GB, {EXPERT_BYTES / 1e6:.1f} MB per expert, shared expert "
-          f"{SHARED_EXPERT_BYTES / 1e6:.1f} MB (FP8) per layer")
-    print(f"ms columns: summed over the {LAYERS} MoE layers of one step; layer us: one layer after overlap; "
-          "mb: micro-batches (2 = overlapped);")
-    print("read MB: weights read per layer; imbal: busiest rank's routed rows over the mean (largest batch); "
-          f"* best, x infeasible, ! weights over {HBM_WEIGHT_FRACTION:.0%} of HBM")
+          f"{SHARED_EXPERT_BYTES / 1e6:.1f} MB (FP8) per layer\n  KV cache: {fmt.description}")
+    print(f"prefill, the MoE layer only: ms columns summed over the {LAYERS} layers of one step; layer us: one "
+          "layer after overlap;\n  mb: micro-batches (2 = overlapped); read MB: weights read per layer; imbal: "
+          "busiest rank's routed rows over the mean\n  (largest batch); * best, x infeasible, ! weights over "
+          f"{HBM_WEIGHT_FRACTION:.0%} of HBM")
+    print(f"decode, the whole step: B/GPU sequences per rank, bound by kv (KV GB: HBM left after the weights and a "
+          f"{DECODE_HBM_RESERVE:.0%} reserve)\n  or slo (a {DECODE_STEP_SLO_S * 1e3:.0f} ms step); attn / moe / comm "
+          "ms: kernel time summed over layers and micro-batches, before\n  overlap; step ms: after overlap, with "
+          "the head")
     lines = []
-    plans_by_key: dict[str, dict[str, PhasePlan]] = {}
+    found: dict[str, tuple[dict[str, PhasePlan], list[list[DecodeRow]]]] = {}
     for key in keys:
         hw = HARDWARE[key]
-        plans = {}
-        rows_out = []
         print(f"\n== {hw.name}: {hw.hbm_bytes / GB:.0f} GB at {hw.hbm_bw / TB:.1f} TB/s, "
               f"{(hw.fp4_flops if fp4_math else hw.fp8_flops) / PFLOPS:.1f} PF {'FP4' if fp4_math else 'FP8'} "
               f"dense, {hw.interconnect}")
-        for phase, batches in (("prefill", PREFILL_TOKENS_PER_RANK), ("decode", DECODE_TOKENS_PER_RANK)):
-            tables = [table(hw, phase, t, load_cv=load_cv, fp4_math=fp4_math) for t in batches]
-            plans[phase] = plan(phase, tables)
-            rows_out += [asdict(r) for rows in tables for r in rows]
-            print(f"-- {phase} ({plans[phase].objective})")
-            print_phase(tables)
-        plans_by_key[key] = plans
-        line = plan_line(hw.key, plans["prefill"], plans["decode"])
+        prefill_tables = [table(hw, t, load_cv=load_cv, fp4_math=fp4_math) for t in PREFILL_TOKENS_PER_RANK]
+        decode_tables = [decode_table(hw, c, fmt, load_cv=load_cv, fp4_math=fp4_math) for c in contexts]
+        plans = {"prefill": plan("prefill", prefill_tables, [str(t) for t in PREFILL_TOKENS_PER_RANK]),
+                 "decode": plan("decode", decode_tables, [str(c) for c in contexts])}
+        print(f"-- prefill ({plans['prefill'].objective})")
+        print_phase(prefill_tables)
+        print(f"-- decode ({plans['decode'].objective})")
+        print_decode(decode_tables)
+        found[key] = (plans, decode_tables)
+        line = plan_line(hw.key, plans["prefill"], plans["decode"], decode_tables)
         lines.append(line)
         print(line)
-        out["hardware"][key] = {"spec": asdict(hw), "rows": rows_out, "plan": {k: asdict(v) for k, v in plans.items()}}
-    if "ascend950pr" in plans_by_key and "ascend950dt" in plans_by_key:  # Huawei's pairing
-        combined = plan_line("ascend950: prefill on 950PR, decode on 950DT", plans_by_key["ascend950pr"]["prefill"],
-                             plans_by_key["ascend950dt"]["decode"])
+        rows = [asdict(r) for rows in prefill_tables + decode_tables for r in rows]
+        out["hardware"][key] = {"spec": asdict(hw), "rows": rows, "plan": {k: asdict(v) for k, v in plans.items()},
+                                "plan_line": line}
+    if "ascend950pr" in found and "ascend950dt" in found:  # Huawei's pairing
+        pr, dt = found["ascend950pr"][0], found["ascend950dt"]
+        combined = plan_line("ascend950: prefill on 950PR, decode on 950DT", pr["prefill"], dt[0]["decode"], dt[1])
         lines.append(combined)
         out["plan_ascend950"] = {"prefill_on": "ascend950pr", "decode_on": "ascend950dt",
-                                 "prefill": asdict(plans_by_key["ascend950pr"]["prefill"]),
-                                 "decode": asdict(plans_by_key["ascend950dt"]["decode"])}
+                                 "prefill": asdict(pr["prefill"]), "decode": asdict(dt[0]["decode"]),
+                                 "plan_line": combined}
     print()
     for line in lines:
         print(line)
     return out
+
+
+def parse_contexts(text: str) -> tuple[int, ...]:
+    contexts = tuple(int(part) for part in text.split(",") if part.strip())
+    if not contexts or any(not 1 <= c <= MAX_CONTEXT for c in contexts):
+        raise ValueError(f"contexts must be 1..{MAX_CONTEXT} tokens")
+    return contexts
 
 
 def main() -> None:
@@ -533,6 +1050,10 @@ def main() -> None:
     ap.add_argument("--expert-load-cv", type=float, default=EXPERT_LOAD_CV,
                     help="per-expert load coefficient of variation within a step (imbalance model)")
     ap.add_argument("--fp4-math", action="store_true", help="run the routed-expert GEMMs at the FP4 peak, not FP8")
+    ap.add_argument("--context", default=",".join(map(str, DECODE_CONTEXTS)),
+                    help="comma-separated decode context lengths in tokens, one table block each")
+    ap.add_argument("--kv-format", choices=sorted(KV_FORMATS), default="fp8",
+                    help="fp8: DeepSeek's serving layout; bf16: this engine's cache today")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     args = ap.parse_args()
     keys: list[str] = []
@@ -541,7 +1062,12 @@ def main() -> None:
         if key not in HARDWARE and key not in ALIASES:
             ap.error(f"unknown hardware {key!r}; choose among {', '.join([*HARDWARE, *ALIASES])}")
         keys += ALIASES.get(key, (key,))
-    out = run(keys, load_cv=args.expert_load_cv, fp4_math=args.fp4_math)
+    try:
+        contexts = parse_contexts(args.context)
+    except ValueError as exc:
+        ap.error(str(exc))
+    out = run(keys, load_cv=args.expert_load_cv, fp4_math=args.fp4_math, contexts=contexts,
+              fmt=KV_FORMATS[args.kv_format])
     if args.json:
         print(json.dumps(out))
 

@@ -130,10 +130,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory, "seed": args.seed,
         "enforce_eager": args.enforce_eager, "quantization": args.quantization, "expert_parallel_size": args.ep,
         "num_redundant_experts": args.num_redundant_experts, "eplb_interval": args.eplb_interval,
+        "speculative_method": args.speculative, "speculative_policy": args.speculative_policy,
+        "speculative_threshold": args.speculative_threshold, "num_speculative_tokens": args.num_speculative_tokens,
     }
     if args.stats or args.verbose:
         _log_to_stderr()
-    llm = LLM(model=args.model, config=args.config, **overrides)
+    # a flag left out is no keyword: the config file, the environment or the default decides
+    llm = LLM(model=args.model, config=args.config, **{k: v for k, v in overrides.items() if v is not None})
     labels: list[str] = prompts
     inputs: list[str] | list[list[int]] = prompts
     if chat:
@@ -248,6 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-redundant-experts", type=int, default=None, help="with --ep: extra expert slots per layer for hot-expert replicas")
     p.add_argument("--eplb-interval", type=int, default=None, help="with --ep: steps between re-placements of the experts (0: never)")
+    p.add_argument(
+        "--speculative", default=None, choices=["auto", "dspark", "none"],
+        help="speculative decoding with the checkpoint's DSpark draft (auto, the default: when it has one; none: off)",
+    )
+    p.add_argument(
+        "--speculative-policy", default=None, choices=["all", "threshold", "adaptive"],
+        help="drafted tokens a step verifies: all, those above --speculative-threshold, or adaptive (default: as many as raise goodput)",
+    )
+    p.add_argument("--speculative-threshold", type=float, default=None, help="least survival probability under --speculative-policy threshold")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="most drafted tokens verified per request and step")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
     p.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON matching this schema")
     p.add_argument("--regex", help="constrain the output to this regular expression")

@@ -56,6 +56,19 @@ class EngineConfig(BaseModel):
     eplb_interval: int = Field(0, ge=0, description="steps between expert re-placements from measured load (0: never)")
     eplb_window: int = Field(64, gt=0, description="steps of load the balancer plans from")
     ep_timeout_s: float = Field(30.0, gt=0, description="seconds a rank waits in a collective before the group is declared failed")
+    speculative_method: Literal["auto", "dspark"] | None = Field(
+        "auto", description="dspark: draft with the checkpoint's DSpark stages and verify; None: never; auto: dspark when the checkpoint has them"
+    )
+    speculative_policy: Literal["all", "threshold", "adaptive"] = Field(
+        "adaptive", description="which drafted tokens a step verifies: all, those with survival >= speculative_threshold, or as many as raise expected goodput"
+    )
+    speculative_threshold: float = Field(0.5, ge=0, le=1, description="least survival probability a drafted token needs under the threshold policy")
+    num_speculative_tokens: int | None = Field(None, gt=0, description="most drafted tokens verified per request and step (default: the draft's block size)")
+
+    @field_validator("speculative_method", mode="before")
+    @classmethod
+    def _none_spelled_out(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and v.lower() in ("none", "off", "") else v
 
     @field_validator("graph_capture_sizes")
     @classmethod
@@ -125,15 +138,24 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     config_file: str | None = None,
     env: Mapping[str, str] | None = None,
+    explicit: bool = False,
 ) -> EngineConfig:
-    """Build an ``EngineConfig`` from every source, highest precedence winning field by field."""
+    """Build an ``EngineConfig`` from every source, highest precedence winning field by field.
+
+    ``None`` in ``overrides`` means "not given" (a flag left out); with ``explicit`` (keywords a caller
+    wrote) it is kept where it means something, for fields whose default is not None
+    (``speculative_method=None``: no speculation)."""
     env = os.environ if env is None else env
     merged: dict[str, Any] = {}
     config_file = config_file or env.get(ENV_PREFIX + "CONFIG")
     if config_file:
         merged.update(_read_file(config_file))
     merged.update(_from_env(env))
-    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    def given(k: str, v: Any) -> bool:
+        field = EngineConfig.model_fields.get(k)
+        return v is not None or (explicit and field is not None and field.default is not None)
+
+    merged.update({k: v for k, v in (overrides or {}).items() if given(k, v)})
     try:
         return EngineConfig(**merged)
     except ValidationError as exc:

@@ -3,7 +3,10 @@
 A decode step of ``B`` sequences runs the graph of the smallest capture size
 ``≥ B`` and the smallest context bucket reaching its longest sequence: the
 batch is padded to that size (padding tokens read and write nothing) and every
-sequence's compressed-entry list to ``bucket / ratio`` entries. Each graph
+sequence's compressed-entry list to ``bucket / ratio`` entries. With speculative
+decoding each size also has a verify graph of ``B · (1 + γ)`` tokens: a step of
+at most ``B`` sequences each bringing one token and up to ``γ`` drafts (every
+token's logits returned) replays it, padded to that token count. Each graph
 owns static input buffers (a host staging buffer and its device copy); a step
 fills the host buffer, copies it in one transfer and replays. Buckets double
 from 256 tokens to ``max_model_len``, so padding at most doubles the entry
@@ -63,9 +66,17 @@ class DecodeGraph:
     host: np.ndarray
     host_tensor: torch.Tensor
     inputs: ForwardInputs
-    replay: Callable[[], torch.Tensor] | None = None
+    #: ``() -> (logits, [T, len(hidden_layers), D] hidden states)``
+    replay: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
     #: steps that replayed this graph
     replays: int = 0
+    #: tokens each sequence brings: 1 (decode) or 1 + γ (verify)
+    tokens_per_seq: int = 1
+
+    @property
+    def key(self) -> str:
+        """``"B"`` for a decode graph of ``B`` sequences, ``"BxK"`` for a verify graph of ``K`` tokens each."""
+        return str(self.size) if self.tokens_per_seq == 1 else f"{self.size}x{self.tokens_per_seq}"
 
     def load(self, batch: Batch, cache: ModelCache, placeholders: np.ndarray | None = None) -> None:
         """Write ``batch``'s indices into the static buffers (one host-to-device copy, queued)."""
@@ -85,24 +96,33 @@ class DecodeGraphs:
 
     def __init__(
         self, model: DeepseekV4Model, cache: ModelCache, device: Device, sizes: list[int], max_model_len: int,
-        fix_capacity: Callable[[int], None] | None = None,
+        fix_capacity: Callable[[int], None] | None = None, hidden_layers: tuple[int, ...] = (), drafts: int = 0,
     ) -> None:
         self.model = model
+        #: layers whose hidden states each replay also returns (the draft's context)
+        self.hidden_layers = hidden_layers
         #: under expert parallelism: fixes the dispatch layout at a graph's token count before its capture
         self.fix_capacity = fix_capacity
         self.cache = cache
         self.device = device
         self.sizes = sorted(set(sizes))
         self.buckets = context_buckets(cache.block_size, max_model_len)
-        self.graphs: dict[tuple[int, int], DecodeGraph] = {}
+        #: most drafted tokens a verify graph's sequence brings (0: no verify graphs)
+        self.drafts = drafts
+        #: (size, tokens per sequence, context bucket) -> graph
+        self.graphs: dict[tuple[int, int, int], DecodeGraph] = {}
 
-    def find(self, num_seqs: int, context_len: int) -> DecodeGraph | None:
-        """The graph a decode step of ``num_seqs`` sequences reaching ``context_len`` tokens replays, if any."""
+    def find(self, num_seqs: int, context_len: int, num_tokens: int | None = None) -> DecodeGraph | None:
+        """The graph a step of ``num_seqs`` sequences reaching ``context_len`` tokens replays, if any: a decode
+        graph when it brings one token per sequence (``num_tokens`` None or ``num_seqs``), else a verify graph."""
         i = bisect.bisect_left(self.sizes, num_seqs)
         j = bisect.bisect_left(self.buckets, context_len)
         if i == len(self.sizes) or j == len(self.buckets):
             return None
-        return self.graphs.get((self.sizes[i], self.buckets[j]))
+        per = 1 if num_tokens is None or num_tokens == num_seqs else 1 + self.drafts
+        if num_tokens is not None and num_tokens > self.sizes[i] * per:
+            return None
+        return self.graphs.get((self.sizes[i], per, self.buckets[j]))
 
     def capture(self, progress: Callable[[int, int], None] | None = None) -> CaptureReport:
         """Capture every (size, bucket), largest first so smaller graphs reuse the pool's memory.
@@ -111,17 +131,19 @@ class DecodeGraphs:
         same graphs in the same order and their collectives meet."""
         geometry = self.cache.geometry
         pool = self.device.new_graph_pool()
-        keys = [(s, b) for s in reversed(self.sizes) for b in reversed(self.buckets)]
+        per_seq = [1, 1 + self.drafts] if self.drafts else [1]
+        keys = [(s, p, b) for p in reversed(per_seq) for s in reversed(self.sizes) for b in reversed(self.buckets)]
         free_before, _ = self.device.memory_info()
         t0 = time.perf_counter()
         empty = Batch((), (), (), ())
-        for done, (size, bucket) in enumerate(keys):
-            layout = StepLayout(StepShape.padded(size, size, size, bucket, geometry), geometry)
+        for done, (size, per, bucket) in enumerate(keys):
+            tokens = size * per
+            layout = StepLayout(StepShape.padded(tokens, size, tokens, bucket, geometry), geometry)
             host_tensor = self.device.host_buffer(layout.numel, torch.int64)
             host = host_tensor.numpy()
             fill_step_inputs(host, layout, empty, self.cache)  # all padding: the warm-up runs read and write nothing
             buffer = host_tensor.to(self.device.torch_device, copy=True)
-            graph = DecodeGraph(size, bucket, layout, host, host_tensor, layout.forward_inputs(buffer))
+            graph = DecodeGraph(size, bucket, layout, host, host_tensor, layout.forward_inputs(buffer), tokens_per_seq=per)
             if self.fix_capacity is not None:
                 self.fix_capacity(layout.shape.tokens)
             try:
@@ -132,17 +154,20 @@ class DecodeGraphs:
                     f"capturing the decode graph of {size} sequences on {self.device.describe()} failed "
                     f"({type(exc).__name__}: {lines[0] if lines else ''}); run with enforce_eager=True (--enforce-eager)"
                 ) from None
-            self.graphs[(size, bucket)] = graph
+            self.graphs[(size, per, bucket)] = graph
             if progress is not None:
                 progress(done + 1, len(keys))
         self.device.synchronize()
         free_after, _ = self.device.memory_info()
         return CaptureReport(len(keys), time.perf_counter() - t0, max(0, free_before - free_after))
 
-    def _step_fn(self, inputs: ForwardInputs) -> Callable[[], torch.Tensor]:
-        model, cache = self.model, self.cache
+    def _step_fn(self, inputs: ForwardInputs) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        model, cache, layers = self.model, self.cache, self.hidden_layers
 
-        def step() -> torch.Tensor:
-            return model.forward(inputs, cache)
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            logits = model.forward(inputs, cache, layers)
+            if not layers:
+                return logits, logits[:, :0]
+            return logits, torch.stack([model.hidden_states[i] for i in layers], dim=1)
 
         return step

@@ -31,6 +31,7 @@ from .request import Request, RequestStatus
 from .sampler import to_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
+from .spec_decode.speculation import Speculation
 from .stats import EngineStats
 from .step import GrammarGate, Step, StepResult
 from .step_executor import StepExecutor
@@ -88,8 +89,15 @@ class Engine:
         plan = self.runner.plan
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, plan.num_slots, config.enable_prefix_caching)
         self.replay_tokens = replay_length(mc, config.swa_replay)
+        proposer = self.runner.proposer
+        self.speculation: Speculation | None = None
+        if proposer is not None:
+            # the draft's context is per-request state too: after a prefix hit it is rebuilt from the replayed
+            # tokens (V4-Flash replays its 128-token window, as long as the draft's context window)
+            self.speculation = Speculation(config, proposer.gamma, self.runner.step_cost_profile, self.stats)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start, self.stats
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start, self.stats,
+            self.speculation.admit if self.speculation is not None else None,
         )
         #: user request id -> its first completion (which lists every completion in ``siblings``)
         self.requests: dict[str, Request] = {}
@@ -174,6 +182,7 @@ class Engine:
             child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             child.max_total_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
             self._live[child.request_id] = child
+            child.speculative = self.speculation is not None
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
         for child in children:
@@ -213,7 +222,8 @@ class Engine:
             return None, list(out.preempted)
         step = Step(out.sequences, finished_request_ids=out.finished_request_ids)
         sampled = step.sampled
-        constrained = [i for i, s in enumerate(sampled) if self._live[s.request_id].grammar is not None]
+        constrained = [(i, j) for i, s in enumerate(sampled) if self._live[s.request_id].grammar is not None
+                       for j in range(len(s.draft_token_ids) + 1)]
         if constrained:
             step.grammar = GrammarGate(allocate_bitmask(len(constrained), self.vocab_size), constrained)
         return step, list(out.preempted)
@@ -224,8 +234,16 @@ class Engine:
         if gate is None or gate.ready.is_set():
             return
         sampled = step.sampled
-        for j, i in enumerate(gate.rows):
-            self._live[sampled[i].request_id].grammar.fill_bitmask(gate.bitmask, j)
+        for row, (i, j) in enumerate(gate.rows):
+            s = sampled[i]
+            grammar = self._live[s.request_id].grammar
+            grammar.fill_bitmask(gate.bitmask, row)
+            k = len(s.draft_token_ids)
+            if j < k:  # the next row is the position after this draft: step the matcher over it
+                if not grammar.accept(s.draft_token_ids[j]):
+                    raise AssertionError("a draft the grammar validated at scheduling was refused")
+            elif k:
+                grammar.rollback(k)  # the drafts are only provisional: verification decides
         gate.ready.set()
 
     def step(self) -> list[Request]:
@@ -249,7 +267,9 @@ class Engine:
                 changed.append(req)
             if self.sharding is not None:
                 self.runner.execute_idle()  # the other ranks' tokens still reach this rank's experts
-        keep = 1 if (self.overlap and step is not None) else 0
+        # a step that drafts or verifies settles before the next is scheduled: the positions of a
+        # speculating request's next tokens depend on how many of its drafts survive
+        keep = 1 if (self.overlap and step is not None and not step.speculative) else 0
         while len(self._inflight) > keep:
             done, fut = self._inflight.popleft()
             t1 = time.perf_counter()
@@ -257,9 +277,10 @@ class Engine:
             self.stats.idle_wait_seconds += time.perf_counter() - t1
             self.stats.forward_seconds += result.forward_seconds
             self.stats.graph_replays += int(result.graph)
+            self.stats.draft_seconds += result.draft_seconds
             changed.extend(self._apply(done, result))
-        for pending, _ in self._inflight:
-            self._fill_grammar(pending)  # the device waits for these before sampling
+            for pending, _ in self._inflight:
+                self._fill_grammar(pending)  # the device waits for these before sampling
         self.stats.wall_seconds += time.perf_counter() - t0
         return list({id(r): r for r in (c.siblings[0] for c in changed)}.values())
 
@@ -276,13 +297,21 @@ class Engine:
                 req.prompt_logprobs[first : first + len(rows)] = to_logprobs(rows, self._decode_one)
             if s.sample is not None:
                 req.num_pending -= 1
+                new = result.tokens[s.request_id]
+                if s.draft_token_ids and self.speculation is not None:
+                    self.speculation.record(len(s.draft_token_ids), len(new) - 1)
                 if not req.finished:  # else it stopped a step ago: this token was computed ahead and is dropped
-                    tok = result.tokens[s.request_id]
-                    if tok.logprobs is not None:
-                        req.logprobs.extend(to_logprobs([tok.logprobs], self._decode_one))
-                    self._append(req, tok.token_id)
-                    self.stats.generated_tokens += 1
+                    for tok in new:
+                        if tok.logprobs is not None:
+                            req.logprobs.extend(to_logprobs([tok.logprobs], self._decode_one))
+                        self._append(req, tok.token_id)
+                        self.stats.generated_tokens += 1
+                        if req.finished:  # a stop inside the accepted drafts: what follows is dropped
+                            break
                     changed.append(req)
+                    if s.draft_token_ids and not req.finished:
+                        self.scheduler.settle(req, s.start, len(new))
+                    req.draft = result.drafts.get(s.request_id)
                 if req.finished and not req.num_pending and req.siblings[0].request_id not in self.requests:
                     self._live.pop(req.request_id, None)
             if not req.finished:

@@ -25,7 +25,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, config: str | None = None, **kwargs: Any) -> None:
-        self.config = load_config({"model": model, **kwargs}, config)
+        self.config = load_config({"model": model, **kwargs}, config, explicit=True)
         self.engine = make_engine(self.config)
         self._default_chat_format: ChatFormat | None = None
 

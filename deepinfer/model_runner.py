@@ -11,6 +11,7 @@ backend's ``Device`` and ``Kernels``; all per-rank state lives on the instance.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -30,9 +31,11 @@ from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
 from .model.model import DeepseekV4Model
 from .parallel.expert_parallel import ExpertParallel
 from .registry import SelectedBackend
+from .model.dspark import DSparkConfig, DSparkDraft
 from .sampler import Sampler, top_logprobs
+from .spec_decode import DSparkProposer, StepCostProfile, verify_drafts
 from .stats import EngineStats
-from .step import SampledToken, Step, StepResult
+from .step import SampledToken, ScheduledSequence, Step, StepResult
 
 log = logging.getLogger("deepinfer")
 
@@ -115,6 +118,8 @@ class ModelRunner:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.config.max_position_embeddings}; lower it"
             )
         self.max_step_tokens = min(cfg.max_num_batched_tokens, cfg.max_prefill_chunk)
+        self.max_batched_tokens = cfg.max_num_batched_tokens
+        self._profile: StepCostProfile | None = None
         self.geometry = CacheGeometry.build(self.config, block_size_for(self.config, cfg.block_size), self.max_step_tokens, self.max_model_len)
         if cfg.kv_cache_memory is not None:
             budget = cfg.kv_cache_memory
@@ -128,18 +133,25 @@ class ModelRunner:
         )
         log.info(self.plan.describe())
         self.sampler = Sampler(self.kernels, self.device, cfg.seed)
+        self.proposer = self._proposer(cfg, model_dir)
+        #: per layer the draft reads (none without speculation), what each forward keeps of its hidden states
+        self.hidden_layers: tuple[int, ...] = self.proposer.target_layers if self.proposer is not None else ()
         self._staging_tensor: torch.Tensor | None = None
         #: recorded after each step's host-to-device copy: host buffers are rewritten only once it has passed
         self._copied = self.device.new_event()
         #: the previous step's sampled tokens on the device, and each request's index among them
         self._last_tokens: torch.Tensor | None = None
         self._last_index: dict[str, int] = {}
+        #: the last forward's hidden states at ``hidden_layers``
+        self._hidden: dict[int, torch.Tensor] = {}
         self.graphs: DecodeGraphs | None = None
         if self._graph_mode(cfg):
             sizes = cfg.graph_capture_sizes or default_capture_sizes(cfg.max_num_seqs)
             self.graphs = DecodeGraphs(
                 self.model, self.cache, self.device, sizes, self.max_model_len,
-                self.sharding.use_capacity if self.sharding is not None else None,
+                self.sharding.use_capacity if self.sharding is not None else None, self.hidden_layers,
+                # verify graphs on one rank; under EP a verifying step takes the variable-split dispatch, eager
+                self.proposer.gamma if self.proposer is not None and self.sharding is None else 0,
             )
             if self.sharding is not None:
                 self.sharding.capture_sizes = self.graphs.sizes
@@ -162,6 +174,57 @@ class ModelRunner:
             raise ConfigError(f"dtype {name} is not supported by device {self.device.type}; choose another --dtype")
         return dtype
 
+    @torch.inference_mode()
+    def step_cost_profile(self) -> StepCostProfile:
+        """Seconds a forward takes at token counts from 1 to the most a speculative step brings
+        (every sequence slot verifying every draft), over padding only: the adaptive policy's profile.
+        Measured once per runner, on this rank in lockstep with the others under expert parallelism."""
+        if self._profile is not None:
+            return self._profile
+        gamma = self.proposer.gamma if self.proposer is not None else 0
+        top = max(1, min(self.max_batched_tokens, self.plan.num_slots * (gamma + 1)))
+        counts = sorted({*(1 << i for i in range(top.bit_length()) if 1 << i <= top), top})
+        empty = Batch((), (), (), ())
+        times: list[float] = []
+        counters = dataclasses.replace(self.sharding.counters) if self.sharding is not None else None
+        for tokens in counts:
+            context = min(self.max_model_len, 1024)  # a typical context: attention reads padding entries up to it
+            layout = StepLayout(StepShape.padded(tokens, min(tokens, self.plan.num_slots), tokens, context, self.geometry), self.geometry)
+            host = self.device.host_buffer(layout.numel, torch.int64)
+            fill_step_inputs(host.numpy(), layout, empty, self.cache)
+            inputs = layout.forward_inputs(host.to(self.torch_device, copy=True))
+            if self.sharding is not None:
+                self.sharding.use_capacity(tokens)
+            best = float("inf")
+            for _ in range(3):  # the first run warms up; the fastest is the device's cost
+                self.device.synchronize()
+                t0 = time.perf_counter()
+                self.model.forward(inputs, self.cache, self.hidden_layers)
+                self.device.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            times.append(max(best, 1e-9))
+        if self.sharding is not None:
+            self.sharding.counters = counters  # the profile's dispatches are not serving traffic
+        self._profile = StepCostProfile.monotone(counts, times)
+        log.info("step-cost profile: " + ", ".join(f"{t} tokens {1e3 * s:.2f} ms" for t, s in zip(counts, self._profile.seconds)))
+        return self._profile
+
+    def _proposer(self, cfg: EngineConfig, model_dir: str | Path) -> DSparkProposer | None:
+        """The DSpark proposer when speculation is on: asked for (``dspark``), or the checkpoint has a draft (``auto``)."""
+        if cfg.speculative_method is None:
+            return None
+        from .loader import read_config
+
+        raw = read_config(model_dir)
+        if DSparkConfig.from_hf(raw, self.config) is None:
+            if cfg.speculative_method == "dspark":
+                raise ConfigError(
+                    "speculative_method 'dspark' needs a checkpoint with DSpark draft stages, but config.json has no "
+                    "dspark_* fields; run with --speculative none"
+                )
+            return None
+        return DSparkProposer(DSparkDraft.from_target(self.model, raw), self.plan.num_slots)
+
     def _graph_mode(self, cfg: EngineConfig) -> bool:
         caps = self.device.capabilities()
         if not caps.graph_capture:
@@ -178,12 +241,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
+            if self.proposer is not None:
+                self.proposer.forget(rid)
         for s in step.sequences:
             self.cache.set_sequence(s.slot, s.block_table, s.state_floor, s.shared_prefix_tokens)
+            if self.proposer is not None and s.num_tokens and s.start == s.state_floor:
+                self.proposer.clear(s.slot)  # its first chunk: no context from the slot's previous sequence
         batch, rows, placeholders = self._batch(step)
         decode = all(s.is_decode for s in step.sequences if s.num_tokens)
+        verify = all(s.decodes for s in step.sequences if s.num_tokens)
         capacity = self.sharding.begin_step(batch.num_tokens, decode) if self.sharding is not None else None
-        graph = self._graph_for(decode, batch, capacity)
+        graph = self._graph_for(decode, verify, batch, capacity)
         logits = self._forward(batch, placeholders, graph) if batch.num_seqs else None
         if self.sharding is not None:
             if not batch.num_seqs:
@@ -192,6 +260,7 @@ class ModelRunner:
         for s in step.sequences:
             if s.fork is not None:
                 self.cache.fork(s.fork.source_slot, s.slot, list(s.fork.block_copies))
+        hidden = dict(self._hidden)
         prompt_lps = {}
         for s in step.sequences:
             if s.prompt_logprobs is not None:
@@ -199,8 +268,13 @@ class ModelRunner:
                 targets = torch.tensor(s.prompt_logprobs.targets, dtype=torch.int64, device=self.torch_device)
                 scored = top_logprobs(logits[first : first + len(targets)], s.prompt_logprobs.k, targets)
                 prompt_lps[s.request_id] = (s.start + 1, scored)
-        tokens = self._sample(step, logits, rows)
-        return StepResult(tokens, prompt_lps, time.perf_counter() - t0, graph is not None)
+        tokens, last = self._sample(step, logits, rows)
+        drafts, draft_seconds = {}, 0.0
+        if self.proposer is not None:
+            t1 = time.perf_counter()
+            drafts = self.proposer.after_step(step, hidden, tokens, last, self.sampler, self.config.max_position_embeddings)
+            draft_seconds = time.perf_counter() - t1
+        return StepResult(tokens, prompt_lps, time.perf_counter() - t0, graph is not None, drafts, draft_seconds)
 
     @torch.inference_mode()
     def execute_idle(self) -> None:
@@ -225,10 +299,10 @@ class ModelRunner:
         self.stats.graph_replays += 1
         self._replay(graph)
 
-    def _replay(self, graph: DecodeGraph) -> torch.Tensor:
+    def _replay(self, graph: DecodeGraph) -> tuple[torch.Tensor, torch.Tensor]:
         graph.replays += 1
         sizes = self.stats.graph_replays_by_size
-        sizes[graph.size] = sizes.get(graph.size, 0) + 1
+        sizes[graph.key] = sizes.get(graph.key, 0) + 1
         return graph.replay()
 
     def _batch(self, step: Step) -> tuple[Batch, dict[str, list[int]], np.ndarray]:
@@ -242,47 +316,115 @@ class ModelRunner:
         for s in compute:
             rows[s.request_id] = list(range(len(logits_indices), len(logits_indices) + len(s.logit_offsets)))
             logits_indices.extend(flat + j for j in s.logit_offsets)
-            placeholders.extend(self._last_index[s.request_id] if t < 0 else -1 for t in s.token_ids)
+            placeholders.extend(self._last_index[s.request_id] if t < 0 else -1 for t in s.all_token_ids)
             flat += s.num_tokens
         batch = Batch(
-            tuple(tuple(s.token_ids) for s in compute), tuple(s.slot for s in compute),
+            tuple(tuple(s.all_token_ids) for s in compute), tuple(s.slot for s in compute),
             tuple(s.start for s in compute), tuple(logits_indices),
         )
         return batch, rows, np.asarray(placeholders, dtype=np.int64)
 
-    def _sample(self, step: Step, logits: torch.Tensor | None, rows: dict[str, list[int]]) -> dict[str, SampledToken]:
-        """One token per sampling sequence (from its last logits row; a fork from its source's), with
-        its log-probabilities; kept on the device for the next step's placeholders."""
+    def _sample(
+        self, step: Step, logits: torch.Tensor | None, rows: dict[str, list[int]]
+    ) -> tuple[dict[str, list[SampledToken]], torch.Tensor | None]:
+        """Each sampling sequence's new tokens with their log-probabilities: one drawn from its last logits
+        row (a fork's from its source's), or its drafts verified. Also every sampling sequence's last new
+        token, in record order, on the device (the next step's placeholders and the draft's anchors)."""
         sampled = step.sampled
         self._last_index = {s.request_id: i for i, s in enumerate(sampled)}
         if not sampled:
             self._last_tokens = None
-            return {}
-        picked = logits[torch.tensor([rows[s.fork.source_id if s.fork else s.request_id][-1] for s in sampled], device=logits.device)]
-        bitmask = None
-        if step.grammar is not None:
-            step.grammar.ready.wait()
-            bitmask = (step.grammar.bitmask.to(picked.device), step.grammar.rows)
-        tokens = self.sampler.sample(picked, [s.sample for s in sampled], [s.request_id for s in sampled], bitmask)
-        self._last_tokens = tokens
-        ks = [s.sample.logprobs for s in sampled if s.sample.logprobs is not None]
-        lps = top_logprobs(picked, max(ks), tokens) if ks else None
-        token_list = tokens.tolist()
-        out = {}
-        for i, s in enumerate(sampled):
-            row = None
-            if lps is not None and s.sample.logprobs is not None:
-                row = {t: v for t, v in lps[i].items() if v[1] <= s.sample.logprobs or t == token_list[i]}
-            out[s.request_id] = SampledToken(token_list[i], row)
-        return out
+            return {}, None
+        plain = [i for i, s in enumerate(sampled) if not s.draft_token_ids]
+        verify = [i for i, s in enumerate(sampled) if s.draft_token_ids]
+        last = torch.empty(len(sampled), dtype=torch.int64, device=logits.device)
+        out: dict[str, list[SampledToken]] = {}
+        if plain:
+            seqs = [sampled[i] for i in plain]
+            tokens = self._draw(step, plain, seqs, logits, rows)
+            last[torch.tensor(plain, device=last.device)] = tokens
+            self._add_tokens(out, seqs, logits, [[rows[s.fork.source_id if s.fork else s.request_id][-1]] for s in seqs], tokens[:, None])
+        if verify:
+            seqs = [sampled[i] for i in verify]
+            accepted, tokens, picked_rows = self._verify(step, verify, seqs, logits, rows)
+            last[torch.tensor(verify, device=last.device)] = tokens.gather(1, accepted[:, None])[:, 0]
+            counts = accepted.tolist()
+            self._add_tokens(out, seqs, logits, [r[: a + 1] for r, a in zip(picked_rows, counts)], tokens)
+        self._last_tokens = last
+        return out, last
 
-    def _graph_for(self, decode: bool, batch: Batch, capacity: int | None) -> DecodeGraph | None:
-        """The graph this step replays: the smallest size holding the batch; under expert parallelism
-        exactly the agreed capacity (its dispatch layout), else none (eager with that capacity)."""
-        if self.graphs is None or not batch.num_seqs or not decode:
+    def _draw(
+        self, step: Step, indices: list[int], seqs: list[ScheduledSequence], logits: torch.Tensor, rows: dict[str, list[int]]
+    ) -> torch.Tensor:
+        """One token per sequence (``indices``: their places among the step's sampled ones) from its last
+        logits row, under the step's grammar masks."""
+        picked = logits[torch.tensor([rows[s.fork.source_id if s.fork else s.request_id][-1] for s in seqs], device=logits.device)]
+        bitmask = None
+        masks = self._masks(step, {(index, 0): i for i, index in enumerate(indices)})
+        if masks is not None:
+            bitmask = (masks[0].to(picked.device), masks[1])
+        return self.sampler.sample(picked, [s.sample for s in seqs], [s.request_id for s in seqs], bitmask)
+
+    def _masks(self, step: Step, picked: dict[tuple[int, int], int]) -> tuple[torch.Tensor, list[int]] | None:
+        """The grammar masks for ``picked`` ((sampled index, drafts before) -> row), once the host filled them."""
+        if step.grammar is None:
+            return None
+        step.grammar.ready.wait()
+        return step.grammar.rows_for(picked)
+
+    def _verify(
+        self, step: Step, indices: list[int], seqs: list[ScheduledSequence], logits: torch.Tensor, rows: dict[str, list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+        """Verify each sequence's drafts against the target's logits at their positions, under its grammar's
+        mask at each: ``(accepted [N], tokens [N, K + 1], each sequence's logits rows)``."""
+        k = max(len(s.draft_token_ids) for s in seqs)
+        seq_rows = [rows[s.request_id] for s in seqs]  # the anchor's row, then one per draft
+        index = torch.tensor([[r[min(j, len(r) - 1)] for j in range(k + 1)] for r in seq_rows], device=logits.device)
+        picked = logits[index.reshape(-1)]
+        masks = self._masks(step, {(index_i, j): n_i * (k + 1) + j for n_i, (index_i, s) in enumerate(zip(indices, seqs))
+                                   for j in range(len(s.draft_token_ids) + 1)})
+        if masks is not None:
+            at = torch.tensor(masks[1], dtype=torch.int64, device=logits.device)
+            picked[at] = self.kernels.apply_token_bitmask(picked[at], masks[0].to(logits.device))
+        accepted, tokens = verify_drafts(self.kernels, self.sampler, self.proposer, seqs, picked.view(len(seqs), k + 1, -1))
+        return accepted, tokens, seq_rows
+
+    def _add_tokens(
+        self, out: dict[str, list[SampledToken]], seqs: list[ScheduledSequence], logits: torch.Tensor,
+        token_rows: list[list[int]], tokens: torch.Tensor,
+    ) -> None:
+        """``out[request] = its new tokens`` (``tokens[i, j]`` from logits row ``token_rows[i][j]``), each with
+        the top log-probabilities its request asks for."""
+        ks = [s.sample.logprobs for s in seqs if s.sample.logprobs is not None]
+        flat_rows = [r for rs in token_rows for r in rs]
+        chosen = torch.cat([tokens[i, : len(rs)] for i, rs in enumerate(token_rows)])
+        lps = top_logprobs(logits[torch.tensor(flat_rows, device=logits.device)], max(ks), chosen) if ks else None
+        chosen_list = chosen.tolist()
+        at = 0
+        for s, rs in zip(seqs, token_rows):
+            new = []
+            for j in range(len(rs)):
+                tok, row = chosen_list[at + j], None
+                if lps is not None and s.sample.logprobs is not None:
+                    row = {t: v for t, v in lps[at + j].items() if v[1] <= s.sample.logprobs or t == tok}
+                new.append(SampledToken(tok, row))
+            out[s.request_id] = new
+            at += len(rs)
+
+    def _graph_for(self, decode: bool, verify: bool, batch: Batch, capacity: int | None) -> DecodeGraph | None:
+        """The graph this step replays: the smallest size holding the batch (a verify graph when sequences
+        bring drafts); under expert parallelism exactly the agreed capacity (its dispatch layout), else
+        none (eager with that capacity)."""
+        if self.graphs is None or not batch.num_seqs:
             return None
         if self.sharding is None:
-            return self.graphs.find(batch.num_seqs, batch.max_context_len)
+            if decode:
+                return self.graphs.find(batch.num_seqs, batch.max_context_len)
+            if verify:
+                return self.graphs.find(batch.num_seqs, batch.max_context_len, batch.num_tokens)
+            return None
+        if not decode:
+            return None
         if capacity is None:
             return None
         graph = self.graphs.find(capacity, batch.max_context_len)
@@ -296,14 +438,18 @@ class ModelRunner:
             graph.load(batch, self.cache, placeholders)
             self._copied.record()
             self._fill_placeholders(graph.inputs, placeholders)
-            return self._replay(graph)[: len(batch.logits_indices)].float()
+            logits, hidden = self._replay(graph)
+            self._hidden = {layer: hidden[:, i] for i, layer in enumerate(self.hidden_layers)}
+            return logits[: len(batch.logits_indices)].float()
         layout = StepLayout(StepShape.exact(batch, self.geometry), self.geometry)
         host_tensor = self._host_staging(layout.numel)
         fill_step_inputs(host_tensor.numpy(), layout, batch, self.cache, placeholders)
         inputs = layout.forward_inputs(host_tensor.to(self.torch_device, non_blocking=True))
         self._copied.record()
         self._fill_placeholders(inputs, placeholders)
-        return self.model.forward(inputs, self.cache).float()
+        logits = self.model.forward(inputs, self.cache, self.hidden_layers).float()
+        self._hidden = self.model.hidden_states
+        return logits
 
     def _fill_placeholders(self, inputs: ForwardInputs, placeholders: np.ndarray) -> None:
         """Tokens sampled by the previous step, written into the input ids on the device."""

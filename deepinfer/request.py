@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from .outputs import PositionLogprobs, RequestMetrics
 from .sampling_params import SamplingParams
-from .step import PLACEHOLDER, SampleSpec
+from .step import PLACEHOLDER, DraftProposal, SampleSpec
 
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
@@ -67,6 +67,10 @@ class Request:
     fork_source: Request | None = None
     #: every completion of this prompt, in index order (this request alone when n == 1)
     siblings: list[Request] = field(default_factory=list)
+    #: whether the engine drafts tokens for it (speculative decoding)
+    speculative: bool = False
+    #: its drafted tokens for the step after the last one applied (None: none pending)
+    draft: DraftProposal | None = None
 
     def __post_init__(self) -> None:
         if not self.siblings:
@@ -112,6 +116,14 @@ class Request:
     def at_limit(self) -> bool:
         """Whether it has (or will have, once pending tokens land) every token it may produce."""
         return self.num_tokens >= self.max_total_tokens
+
+    def draft_ready(self) -> bool:
+        """Whether its pending draft follows the one token it feeds next (nothing else in flight)."""
+        d = self.draft
+        return (
+            d is not None and not self.num_pending and self.num_computed_tokens == self.num_tokens - 1
+            and d.anchor_position == self.num_computed_tokens
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

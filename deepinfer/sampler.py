@@ -42,7 +42,8 @@ class Sampler:
         self.generator = device.generator(seed)
         self._generators: dict[str, torch.Generator] = {}
 
-    def _generator(self, request_id: str, spec: SampleSpec) -> torch.Generator:
+    def generator_for(self, request_id: str, spec: SampleSpec) -> torch.Generator:
+        """The generator ``request_id``'s draws use: its own when it has a seed, else the shared one."""
         if spec.seed is None:
             return self.generator
         gen = self._generators.get(request_id)
@@ -85,5 +86,5 @@ class Sampler:
             noise = torch.ones(b, vocab, dtype=torch.float32, device=dev)
             for i, (rid, s) in enumerate(zip(request_ids, specs)):
                 if not s.greedy:
-                    noise[i].exponential_(generator=self._generator(rid, s))
+                    noise[i].exponential_(generator=self.generator_for(rid, s))
         return self.kernels.sample(logits, temperature, top_k, top_p, min_p, noise)

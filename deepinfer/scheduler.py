@@ -11,6 +11,12 @@ The scheduler is the only place that advances ``num_computed_tokens``: a
 request's tokens count as computed once they are scheduled. It also counts
 what it schedules into the engine's ``EngineStats``.
 
+Speculative decoding: a running request whose draft follows the token it feeds
+next brings that token and the drafts ``admit`` chooses (from their survival
+probabilities, over the whole batch); they count as computed until the step
+returns, when ``settle`` keeps the anchor and the accepted drafts and drops the
+rest (with the blocks only they needed).
+
 Parallel sampling: the extra completions of a prompt wait here until their
 first sibling's prefill is scheduled to finish; in that same step they start
 as copies of its state (its full blocks shared, a partly filled last block
@@ -52,12 +58,16 @@ class Scheduler:
         max_chunk: int | None = None,
         replay_start: Callable[[int], int | None] = lambda hit: hit,
         stats: EngineStats | None = None,
+        admit: Callable[[list[list[float]], int], list[int]] | None = None,
     ) -> None:
         """``replay_start(hit)`` gives the position from which a request whose first ``hit``
         tokens are cached recomputes (to rebuild state that is not cached), or None when
-        the hit is not worth adopting."""
+        the hit is not worth adopting. ``admit(survival, budget)`` gives how many of each
+        ready request's drafts a step verifies (``survival[r]``: its drafts' survival
+        probabilities, as many as it may verify; ``budget``: the most drafted tokens in all)."""
         self.kv = kv
         self.replay_start = replay_start
+        self.admit = admit
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         #: most tokens of one sequence in one step
@@ -84,6 +94,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.draft = None
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.stats.preemptions += 1
@@ -93,6 +104,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
+        drafts = self._admitted(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -100,6 +112,9 @@ class Scheduler:
                 i += 1  # finishes once its pending tokens land; nothing to compute
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
+            draft = drafts.get(req.request_id, [])[: max(0, min(budget, self.max_chunk) - n)]
+            if draft and not self.kv.allocate(req, req.num_computed_tokens + n + len(draft)):
+                draft = []  # no room to verify: decode plainly before preempting anyone
             while not self.kv.allocate(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -107,8 +122,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._emit(out, req, req.num_computed_tokens, n)
-                budget -= n
+                self._emit(out, req, req.num_computed_tokens, n, draft)
+                budget -= n + len(draft)
                 i += 1
                 continue
             break
@@ -142,8 +157,34 @@ class Scheduler:
             self.stats.computed_tokens += out.num_tokens
         return out
 
-    def _emit(self, out: SchedulerOutput, req: Request, start: int, n: int) -> None:
-        """Record one chunk of ``req`` and count it as computed."""
+    def _admitted(self, budget: int) -> dict[str, list[int]]:
+        """The drafts each ready running request verifies this step."""
+        if self.admit is None:
+            return {}
+        ready = [r for r in self.running if r.draft_ready() and not r.at_limit]
+        # never verify past the request's last token: the step adds at most one more after the drafts
+        room = [r.draft.survival[: self._verifiable(r)] for r in ready]
+        counts = self.admit([list(x) for x in room], max(0, budget - len(ready)))
+        return {r.request_id: list(r.draft.tokens[:k]) for r, k in zip(ready, counts) if k}
+
+    @staticmethod
+    def _verifiable(req: Request) -> int:
+        """How many of ``req``'s drafts a step may verify: none past its last token (the step adds one more
+        after them), and none its grammar refuses."""
+        n = max(0, req.max_total_tokens - req.num_tokens - 1)
+        if req.grammar is not None and n:
+            n = req.grammar.validate_draft(list(req.draft.tokens[:n]))
+        return n
+
+    def settle(self, req: Request, start: int, committed: int) -> None:
+        """After verification: ``req``'s positions ``[start, start + committed)`` (its anchor and the
+        accepted drafts) stay computed; the rejected ones are dropped, and the blocks only they used."""
+        req.num_computed_tokens = start + committed
+        self.kv.truncate(req, req.num_tokens)
+
+    def _emit(self, out: SchedulerOutput, req: Request, start: int, n: int, draft: list[int] | None = None) -> None:
+        """Record one chunk of ``req`` (with the drafts it verifies) and count it as computed."""
+        draft = draft or []
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.monotonic()
             self.stats.prompt_tokens += req.num_prompt_tokens
@@ -160,6 +201,7 @@ class Scheduler:
                 prompt_lp = PromptLogprobSpec(req.params.prompt_logprobs, targets)
         if samples and (not offsets or offsets[-1] != n - 1):
             offsets.append(n - 1)
+        offsets.extend(range(n, n + len(draft)))  # each draft's row: the target's distribution after it
         out.sequences.append(ScheduledSequence(
             request_id=req.request_id,
             slot=self.kv.slots[req.request_id],
@@ -171,8 +213,10 @@ class Scheduler:
             logit_offsets=offsets,
             sample=req.sample_spec if samples else None,
             prompt_logprobs=prompt_lp,
+            draft_token_ids=draft,
+            speculate=req.speculative,
         ))
-        req.num_computed_tokens = start + n
+        req.num_computed_tokens = start + n + len(draft)
         if samples:
             req.num_pending += 1
             if req.request_id in self._forks and not req.output_token_ids:
@@ -208,6 +252,7 @@ class Scheduler:
                 shared_prefix_tokens=child.num_cached_tokens,
                 sample=child.sample_spec,
                 fork=ForkSpec(source.request_id, self.kv.slots[source.request_id], tuple(copies)),
+                speculate=child.speculative,
             ))
 
     def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:

@@ -34,12 +34,23 @@ class EngineStats:
     wall_seconds: float = 0.0
     #: steps whose forward replayed a captured graph
     graph_replays: int = 0
-    #: replays per capture size (an idle expert-parallel rank's replays over padding included): which sizes serve
-    graph_replays_by_size: dict[int, int] = field(default_factory=dict)
+    #: replays per graph ("B": decode of B sequences, "BxK": verify of K tokens each; an idle expert-parallel
+    #: rank's replays over padding included): which capture sizes serve
+    graph_replays_by_size: dict[str, int] = field(default_factory=dict)
     graphs_captured: int = 0
     graph_capture_seconds: float = 0.0
     #: device memory the captured graphs took (free memory before minus after), bytes
     graph_capture_bytes: int = 0
+    #: speculative decoding: ready requests offered to admission (one per request and step), verifications
+    #: (a request verifying at least one draft in a step), drafted tokens verified and accepted, per position
+    spec_offers: int = 0
+    spec_verifications: int = 0
+    spec_verified_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_position_verified: list[int] = field(default_factory=list)
+    spec_position_accepted: list[int] = field(default_factory=list)
+    #: seconds the draft passes took
+    draft_seconds: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -63,6 +74,7 @@ class EngineStats:
             forward_ms_per_step=1e3 * self.forward_seconds / steps,
             generated_tokens_per_second=self.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0,
         )
+        out.update(spec_figures(out))
         return out
 
     def line(self) -> str:
@@ -73,4 +85,31 @@ class EngineStats:
             f"replayed {self.replayed_tokens}, preemptions {self.preemptions}, "
             f"schedule {m['schedule_ms_per_step']:.2f} ms/step, forward {m['forward_ms_per_step']:.2f} ms/step, "
             f"device idle {self.device_idle_fraction:.1%}, graph replays {self.graph_replays} of {self.steps} steps"
+            + spec_line(m)
         )
+
+
+def spec_figures(counters: dict[str, Any]) -> dict[str, Any]:
+    """The speculative-decoding figures derived from the counters (also from counters summed over ranks):
+    tokens a verification emits per request (accepted drafts + 1), drafted tokens verified per ready request
+    and step, the accepted share per drafted position, and the draft pass's share of the forward time."""
+    v = counters.get("spec_verifications", 0)
+    verified, accepted = counters.get("spec_position_verified") or [], counters.get("spec_position_accepted") or []
+    forward = counters.get("forward_seconds", 0.0)
+    return dict(
+        spec_mean_accepted_length=(counters.get("spec_accepted_tokens", 0) + v) / v if v else 0.0,
+        spec_verified_tokens_per_step=counters.get("spec_verified_tokens", 0) / counters["spec_offers"] if counters.get("spec_offers") else 0.0,
+        spec_acceptance_per_position=[a / n if n else 0.0 for a, n in zip(accepted, verified)],
+        spec_draft_share=counters.get("draft_seconds", 0.0) / forward if forward else 0.0,
+    )
+
+
+def spec_line(m: dict[str, Any]) -> str:
+    """The speculative part of ``--stats`` (empty when nothing was verified)."""
+    if not m.get("spec_verifications"):
+        return ""
+    per_pos = " ".join(f"{a:.2f}" for a in m["spec_acceptance_per_position"])
+    return (
+        f"; speculative: accepted length {m['spec_mean_accepted_length']:.2f}, verified {m['spec_verified_tokens_per_step']:.2f} "
+        f"drafts per request and step, acceptance by position {per_pos}, draft {m['spec_draft_share']:.1%} of forward"
+    )

@@ -84,17 +84,30 @@ class ScheduledSequence:
     prompt_logprobs: PromptLogprobSpec | None = None
     #: set when the sequence starts as a copy of another (it then brings no tokens)
     fork: ForkSpec | None = None
-    #: speculative tokens to verify after ``token_ids`` (none yet)
+    #: drafted tokens verified after ``token_ids`` (their logits rows follow the sample's)
     draft_token_ids: list[int] = field(default_factory=list)
+    #: draft the next tokens after this step's sample (the request speculates)
+    speculate: bool = False
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """What the forward computes: ``token_ids`` then the drafts."""
+        return self.token_ids + self.draft_token_ids if self.draft_token_ids else self.token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + len(self.draft_token_ids)
+
+    @property
+    def decodes(self) -> bool:
+        """One known token (and maybe drafts) whose logits are sampled, no prompt scoring: what a captured
+        decode or verify graph runs."""
+        return len(self.token_ids) == 1 and self.sample is not None and self.prompt_logprobs is None
 
     @property
     def is_decode(self) -> bool:
-        """One token whose logits are sampled, no prompt scoring: what a captured decode graph runs."""
-        return self.num_tokens == 1 and self.sample is not None and self.prompt_logprobs is None
+        """A decode without drafts: what a captured decode graph runs."""
+        return self.decodes and not self.draft_token_ids
 
 
 @dataclass
@@ -102,9 +115,18 @@ class GrammarGate:
     """Bitmask rows the host fills once the previous step's tokens are known; the sampler waits for it."""
 
     bitmask: torch.Tensor
-    #: indices into the step's sampled sequences (in record order) that are constrained
-    rows: list[int]
+    #: per bitmask row: (index into the step's sampled sequences in record order, drafts before it) — a
+    #: verifying sequence has one row per position it may draw at: after 0, 1, ... k of its drafts
+    rows: list[tuple[int, int]]
     ready: threading.Event = field(default_factory=threading.Event)
+
+    def rows_for(self, picked: dict[tuple[int, int], int]) -> tuple[torch.Tensor, list[int]] | None:
+        """The bitmask rows and target rows for the (sampled index, drafts before) pairs in ``picked``
+        (pair -> row of the logits the caller samples from), or None when none is constrained."""
+        mask_rows = [r for r, key in enumerate(self.rows) if key in picked]
+        if not mask_rows:
+            return None
+        return self.bitmask[mask_rows], [picked[self.rows[r]] for r in mask_rows]
 
 
 @dataclass
@@ -120,6 +142,11 @@ class Step:
     def sampled(self) -> list[ScheduledSequence]:
         return [s for s in self.sequences if s.sample is not None]
 
+    @property
+    def speculative(self) -> bool:
+        """Whether it verifies drafts or drafts for a sequence it samples."""
+        return any(s.draft_token_ids or (s.speculate and s.sample is not None) for s in self.sequences)
+
 
 #: per position: token id -> (logprob, rank)
 LogprobRow = dict[int, tuple[float, int]]
@@ -133,13 +160,28 @@ class SampledToken:
     logprobs: LogprobRow | None = None
 
 
+@dataclass(frozen=True)
+class DraftProposal:
+    """A request's drafted tokens for its next step, with the survival probability of each prefix."""
+
+    #: position of the anchor (the token just sampled) the drafts follow
+    anchor_position: int
+    tokens: tuple[int, ...]
+    survival: tuple[float, ...]
+
+
 @dataclass
 class StepResult:
     """What one step produced, by request id."""
 
-    tokens: dict[str, SampledToken]
+    #: each sampling sequence's new tokens in order: one, or under verification the accepted drafts and one more
+    tokens: dict[str, list[SampledToken]]
     #: request id -> (first prompt position scored, rows)
     prompt_logprobs: dict[str, tuple[int, list[LogprobRow]]]
     forward_seconds: float
     #: whether the forward replayed a captured graph
     graph: bool = False
+    #: drafts for the requests that speculate, for their next step
+    drafts: dict[str, DraftProposal] = field(default_factory=dict)
+    #: seconds the draft pass took (its share of the step)
+    draft_seconds: float = 0.0

@@ -55,7 +55,13 @@ def test_checkpoint_layout_and_shape():
     with safe_open(str(BUNDLED_MODEL / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert {"model.embed_tokens.weight", "head.weight", "model.layers.1.attn.indexer.wq_b.weight"} <= keys
-    assert {"mtp.0.main_proj.weight", "mtp.2.markov_head.proj.weight", "mtp.2.confidence_head.proj.weight"} <= keys
+    # the draft under the names DeepSeek's release gives V4-Flash-DSpark's (stage count: the mtp.{i} prefixes)
+    assert {
+        "mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.1.attn.kv_norm.weight", "mtp.2.hc_head_fn",
+        "mtp.2.markov_head.markov_w1.weight", "mtp.2.markov_head.markov_w2.weight", "mtp.2.confidence_head.proj.weight",
+    } <= keys
+    assert not {k for k in keys if k.startswith("mtp.") and (".attn.norm." in k or ".hc_head." in k or "proj.bias" in k)}
+    assert "dspark_num_stages" not in cfg and not any(k.startswith("mtp.3.") for k in keys)
 
 
 def test_tokenizer_loads_in_transformers(tokenizer):
@@ -125,7 +131,7 @@ def _draft_after(target: DeepseekV4Model, draft: DSparkDraft, seqs: list[list[in
         start += len(seq)
     anchor_pos = torch.tensor([len(s) - 1 for s in seqs])
     rows = ring.rows(slots, anchor_pos)
-    out = draft.draft(torch.tensor([s[-1] for s in seqs]), anchor_pos, ring.kv, rows, ring.last_ctx(slots))
+    out = draft.draft(torch.tensor([s[-1] for s in seqs]), anchor_pos, ring.kv, rows)
     return out, cache, slots, first
 
 

@@ -126,6 +126,36 @@ def test_conformance_checks_a_graph_implementation_against_eager(ckpt, plugins):
     assert off.returncode == 0, off.stdout + off.stderr
 
 
+def test_verify_steps_replay_verify_graphs_with_eagers_tokens(plugins):
+    # the bundled model has a DSpark draft: speculating requests' steps bring an anchor and up to five drafts
+    # each, and replay the verify graph of their size (all padded to six tokens a sequence)
+    out = _python("""
+        import json
+        from deepinfer import LLM, SamplingParams
+        prompts = ["def read_file(path):", "class Stack:", "import os", "Return the number of", "def get_"]
+        params = [SamplingParams(temperature=0.0, max_tokens=20 + 4 * i, ignore_eos=True, logprobs=1) for i in range(5)]
+
+        def run(**kw):
+            llm = LLM(max_model_len=256, max_num_seqs=4, graph_capture_sizes=[1, 2, 4], **kw)
+            outs = llm.generate(prompts, params)
+            m = llm.get_metrics()
+            lps = [[next(iter(sorted(p.items())))[1].logprob for p in o.outputs[0].logprobs] for o in outs]
+            return dict(tokens=[o.outputs[0].token_ids for o in outs], lps=lps, by_size=m["graph_replays_by_size"],
+                        captured=m["graphs_captured"], verified=m["spec_verifications"])
+
+        eager = run(backend="cpu", speculative_method=None)
+        graph = run(backend="replay", speculative_policy="all")
+        print(json.dumps(dict(eager=eager, graph=graph)))
+    """, plugins)
+    eager, graph = out["eager"], out["graph"]
+    assert graph["tokens"] == eager["tokens"]
+    assert max(abs(a - b) for p, q in zip(graph["lps"], eager["lps"]) for a, b in zip(p, q)) < 1e-4
+    # three decode and three verify sizes, one context bucket
+    assert graph["captured"] == 6 and graph["verified"] > 10
+    verify = {k: v for k, v in graph["by_size"].items() if "x" in k}
+    assert verify and all(k.endswith("x6") for k in verify) and sum(verify.values()) > 5, graph["by_size"]
+
+
 def test_device_without_graph_capture_runs_eager(ckpt, plugins):
     out = _python("""
         import json, sys

@@ -61,9 +61,10 @@ GRAPH_RUN = """
         lps = [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in outs]
         return dict(tokens=[o.outputs[0].token_ids for o in outs], logprobs=lps, metrics=m)
 
-    eager = run(backend="cpu")
+    # no speculation: its verify steps run eager under EP, and this is about decode graphs
+    eager = run(backend="cpu", speculative_method=None)
     graph = run(backend="replay", expert_parallel_size=2, graph_capture_sizes=[1, 2, 4], num_redundant_experts=2,
-                eplb_interval=4, eplb_window=4)
+                eplb_interval=4, eplb_window=4, speculative_method=None)
     m = graph["metrics"]
     print(json.dumps(dict(eager=eager["tokens"], graph=graph["tokens"], eager_lps=eager["logprobs"], graph_lps=graph["logprobs"],
                           captured=[r["graphs_captured"] for r in m["per_rank"]], replays=[r["graph_replays"] for r in m["per_rank"]],
@@ -74,7 +75,8 @@ GRAPH_RUN = """
 
 @pytest.fixture(scope="module")
 def single():
-    llm = LLM(backend="cpu", seed=0)
+    # one rank, no speculation: the EP runs below draft and verify (on by default with the bundled draft)
+    llm = LLM(backend="cpu", seed=0, speculative_method=None)
     return _run(llm)
 
 
@@ -98,6 +100,7 @@ def test_greedy_tokens_and_prompt_logprobs_equal_one_rank(single, ep):
         assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= LOGPROB_TOL
     ep_metrics = metrics["expert_parallel"]
     assert ep_metrics["size"] == ep and len(metrics["per_rank"]) == ep
+    assert metrics["spec_verifications"] > 0 and metrics["spec_mean_accepted_length"] > 1.0
     # requests were spread: every rank generated tokens, and the counters add up
     assert all(m["generated_tokens"] > 0 for m in metrics["per_rank"])
     assert metrics["generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs)
@@ -133,8 +136,10 @@ def test_rebalancing_with_redundant_experts_keeps_outputs_and_balances_a_skewed_
     # experts take most of the traffic
     skewed = ["the the the the the the the the the the the the"] * 6
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    want = _run(LLM(backend="cpu", seed=0), skewed, params)
-    llm = LLM(backend="cpu", seed=0, expert_parallel_size=2, num_redundant_experts=2, eplb_interval=8, eplb_window=8)
+    # without speculation: a fixed number of steps (one token each) before and after the rebalance
+    want = _run(LLM(backend="cpu", seed=0, speculative_method=None), skewed, params)
+    llm = LLM(backend="cpu", seed=0, expert_parallel_size=2, num_redundant_experts=2, eplb_interval=8, eplb_window=8,
+              speculative_method=None)
     try:
         got = _run(llm, skewed, params)
         ep = llm.get_metrics()["expert_parallel"]

@@ -10,6 +10,9 @@ and one at the first greedy token: the engine's first draft after a prefill),
 the rest the target's own long greedy continuations of training prompts. A block
 position is trained only where the target's argmax there is what its greedy continuation would produce,
 as in the greedy verification the draft is measured against.
+
+The confidence head's per-position temperatures are then fitted on text the draft did not train on
+(``fit_temperatures``), and acceptance is measured on held-out text as greedy speculative decoding meets it.
 """
 
 from __future__ import annotations
@@ -17,29 +20,36 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from deepinfer.model import DeepseekV4Model
-from deepinfer.model.dspark import DSparkConfig, DSparkDraft
+from deepinfer.model.dspark import DEFAULT_CONTEXT_WINDOW, DSparkConfig, DSparkDraft
 from deepinfer_interfaces import Kernels
 
 from .data import fixed_windows, random_windows
 
 
+#: the bundled draft's stage count (``mtp.0..2``, as V4-Flash-DSpark): config.json leaves it to the checkpoint's prefixes
+NUM_STAGES = 3
+
+
 def dspark_fields(num_layers: int, noise_id: int, window: int, markov_rank: int) -> dict:
-    """The ``dspark_*`` config.json fields of the bundled draft: three stages over the middle and last target layers."""
-    return dict(
-        dspark_num_stages=3,
+    """The ``dspark_*`` config.json fields of the bundled draft, as the release spells them: a block of five over the
+    middle and last target layers; the context window only where it is not the default 128."""
+    fields = dict(
         dspark_block_size=5,
         dspark_target_layer_ids=[num_layers // 2 - 1, num_layers - 1],
         dspark_noise_token_id=noise_id,
         dspark_markov_rank=markov_rank,
-        dspark_context_window=window,
-        num_nextn_predict_layers=3,
+        num_nextn_predict_layers=NUM_STAGES,
     )
+    if window != DEFAULT_CONTEXT_WINDOW:
+        fields["dspark_context_window"] = window
+    return fields
 
 
 class FrozenTarget:
@@ -95,17 +105,16 @@ def init_draft(draft: DSparkDraft, target: DeepseekV4Model, gen: torch.Generator
                     continue
                 layer = sliding if name.startswith("attn.") else src_ffn
                 p.copy_(tparams[f"model.layers.{layer}.{name}"])
-        width = draft.main_norm.shape[0]
+        width = draft.main_proj.shape[1]
         draft.main_norm.fill_(1.0)
         draft.main_proj.copy_(torch.randn(draft.main_proj.shape, generator=gen) * width**-0.5)
         draft.hc_fn.copy_(tparams["model.hc_head.hc_fn"])
         draft.hc_base.copy_(tparams["model.hc_head.hc_base"])
         draft.hc_scale.copy_(tparams["model.hc_head.hc_scale"])
         draft.norm.copy_(tparams["model.norm.weight"])
-        draft.markov_embed.copy_(torch.randn(draft.markov_embed.shape, generator=gen) * 0.02)
-        draft.markov_proj.zero_()
+        draft.markov_w1.copy_(torch.randn(draft.markov_w1.shape, generator=gen) * 0.02)
+        draft.markov_w2.zero_()
         draft.conf_w.zero_()
-        draft.conf_b.zero_()
 
 
 def trainable(draft: DSparkDraft) -> list[torch.Tensor]:
@@ -139,7 +148,7 @@ def anchored_blocks(draft: DSparkDraft, x: torch.Tensor, hidden: torch.Tensor, a
     rows = ring_rows(b, s, anchors, draft.config.dspark_context_window)
     bi = torch.arange(b)[:, None].expand_as(anchors).reshape(-1)
     t = anchors.reshape(-1)
-    return (x[bi, t], t, ctx_kv, rows, ctx[bi * s + t - 1]), bi, t
+    return (x[bi, t], t, ctx_kv, rows), bi, t
 
 
 def block_loss(draft: DSparkDraft, x: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,6 +158,9 @@ def block_loss(draft: DSparkDraft, x: torch.Tensor, logits: torch.Tensor, hidden
     Block position ``i`` is trained only while the window's tokens after the anchor equal the target's argmax
     at positions ``0..i−1``: only then is the target's argmax at position ``i`` the token its greedy
     continuation would produce there (always so on greedy text; on real text, for a prefix of the block).
+    The confidence head learns whether position ``i``'s greedy draft is the target's token where the draft's
+    positions ``0..i−1`` were (it estimates survival given survival so far), from the hidden state (detached:
+    it does not shape the draft) and the previous token, which is then the target's.
     """
     g = draft.config.dspark_block_size
     inputs, bi, t = anchored_blocks(draft, x, hidden, anchors)
@@ -165,11 +177,10 @@ def block_loss(draft: DSparkDraft, x: torch.Tensor, logits: torch.Tensor, hidden
     ce = -logp.gather(-1, labels[..., None])[..., 0]
     loss = ((0.5 * kl + ce) * valid).sum() / valid.sum()
     with torch.no_grad():
-        probs = logp.exp()
-        top_p, top = probs.max(-1)
-        hit = (top == labels).float()
-    bce = F.binary_cross_entropy_with_logits(draft.accept_logit(h.detach(), top_p), hit, reduction="none")
-    conf = (bce * valid).sum() / valid.sum()
+        hit = (logp.argmax(-1) == labels).float()
+        survived = valid * torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1].cumprod(dim=1)], dim=1)
+    bce = F.binary_cross_entropy_with_logits(draft.accept_logit(h.detach(), prev), hit, reduction="none")
+    conf = (bce * survived).sum() / survived.sum().clamp_min(1)
     return loss, conf, (hit * valid).sum(0) / valid.sum(0).clamp_min(1)
 
 
@@ -241,14 +252,16 @@ def train_dspark(target_hf, target: DeepseekV4Model, draft: DSparkDraft, train_i
 
 
 @torch.no_grad()
-def drafts_at(draft: DSparkDraft, seqs: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor, chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def drafts_at(draft: DSparkDraft, seqs: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
+              chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The draft's pass at every anchor position ``[A]`` of every committed sequence ``[N, L]`` (target-layer
-    hidden states ``[N, L, layers, D]``): ``[N, A]`` accepted lengths against the sequence's next tokens and
-    ``[N, A, γ]`` predicted survival."""
+    hidden states ``[N, L, layers, D]``): ``[N, A]`` accepted lengths against the sequence's next tokens,
+    ``[N, A, γ]`` predicted survival and ``[N, A, γ]`` the confidence head's logits (before temperatures)."""
     n = seqs.shape[0]
     g = draft.config.dspark_block_size
     accepted = torch.zeros(n, anchors.numel(), dtype=torch.long)
     confidence = torch.zeros(n, anchors.numel(), g)
+    logits = torch.zeros(n, anchors.numel(), g)
     for i in range(0, n, chunk):
         x = seqs[i : i + chunk]
         b = x.shape[0]
@@ -257,7 +270,9 @@ def drafts_at(draft: DSparkDraft, seqs: torch.Tensor, hidden: torch.Tensor, anch
         truth = x[bi[:, None], t[:, None] + 1 + torch.arange(g)]
         accepted[i : i + b] = (out.tokens == truth).long().cumprod(dim=1).sum(1).view(b, -1)
         confidence[i : i + b] = out.confidence.float().view(b, -1, g)
-    return accepted, confidence
+        prev = torch.cat([inputs[0][:, None], out.tokens[:, :-1]], dim=1)
+        logits[i : i + b] = draft.accept_logit(draft.hidden(*inputs), prev).view(b, -1, g)
+    return accepted, confidence, logits
 
 
 def decoding_passes(accepted: torch.Tensor, continuation: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -283,37 +298,73 @@ def decoding_passes(accepted: torch.Tensor, continuation: torch.Tensor, eos_id: 
     return torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
 
 
-@torch.no_grad()
-def acceptance(target_hf, draft: DSparkDraft, heldout_ids: torch.Tensor, seq_len: int, eos_id: int,
-               limit: int | None = None, generate: int = 64) -> dict:
-    """Offline acceptance at temperature 0, pass by pass as greedy speculative decoding meets it.
+@dataclass
+class Passes:
+    """The draft passes greedy speculative decoding makes after a set of prompts."""
 
-    Each held-out window of ``seq_len`` tokens is a prompt that the target continues greedily for
-    ``generate`` tokens. Greedy verification commits exactly that continuation whatever is drafted, so
-    one target pass over prompt and continuation gives the context of every draft. The passes are
-    chained as in decoding: the first anchors on the token sampled by the prefill, each next one on the
-    token verification adds after the accepted ones, until the continuation reaches ``eos_id`` (tokens
-    drafted past it do not count) or fewer than ``γ`` of its tokens remain. The accepted length of a pass
-    is the number of leading drafted tokens equal to the target's; calibration compares, per position, the
-    mean predicted survival with the share of passes that got past it. ``first_pass_*`` covers the first
-    pass after each prompt alone.
-    """
+    prompts: int
+    #: ``[P]`` each pass's anchor index in its continuation (0: the first pass after the prompt)
+    anchor: torch.Tensor
+    #: ``[P]`` accepted drafted tokens
+    accepted: torch.Tensor
+    #: ``[P, γ]`` predicted survival of each position
+    confidence: torch.Tensor
+    #: ``[P, γ]`` the confidence head's logits (before temperatures)
+    logits: torch.Tensor
+
+
+@torch.no_grad()
+def chained_passes(target_hf, draft: DSparkDraft, ids: torch.Tensor, seq_len: int, eos_id: int,
+                   limit: int | None = None, generate: int = 64) -> Passes:
+    """The passes after each window of ``seq_len`` tokens of ``ids``, a prompt the target continues greedily for
+    ``generate`` tokens. Greedy verification commits exactly that continuation whatever is drafted, so one
+    target pass over prompt and continuation gives the context of every draft. The passes are chained as in
+    decoding: the first anchors on the token sampled by the prefill, each next one on the token verification
+    adds after the accepted ones, until the continuation reaches ``eos_id`` (tokens drafted past it do not
+    count) or fewer than ``γ`` of its tokens remain."""
     g = draft.config.dspark_block_size
     frozen = FrozenTarget(target_hf, draft.config.dspark_target_layer_ids)
     try:
-        prompts = fixed_windows(heldout_ids, seq_len, limit)
-        seqs = frozen.greedy(prompts, generate)
+        seqs = frozen.greedy(fixed_windows(ids, seq_len, limit), generate)
         _, hidden = frozen(seqs)
     finally:
         frozen.close()
-    n, length = seqs.shape
-    accepted, confidence = drafts_at(draft, seqs, hidden, torch.arange(seq_len, length - g))
+    accepted, confidence, logits = drafts_at(draft, seqs, hidden, torch.arange(seq_len, seqs.shape[1] - g))
     rows, cols, passes = decoding_passes(accepted, seqs[:, seq_len:], eos_id)
-    predicted = confidence[rows, cols]
+    return Passes(seqs.shape[0], cols, passes, confidence[rows, cols], logits[rows, cols])
+
+
+def fit_temperatures(passes: Passes, grid: int = 241) -> list[float]:
+    """Per block position ``i`` in turn, the temperature ``T_i`` of the confidence logits under which the mean
+    predicted survival of ``passes`` at ``i`` (the running product of ``sigmoid(logit_j / T_j)``, ``j ≤ i``) is
+    the share of them that survived ``i``. Admission counts a draft's survival probabilities as its expected
+    accepted tokens, so that mean is what it needs right."""
+    temps = torch.logspace(math.log10(0.2), math.log10(5.0), grid)
+    out, running = [], torch.ones(passes.logits.shape[0])
+    for i in range(passes.logits.shape[1]):
+        observed = (passes.accepted > i).float().mean()
+        gaps = torch.stack([((running * torch.sigmoid(passes.logits[:, i] / t)).mean() - observed).abs() for t in temps])
+        t = round(temps[int(gaps.argmin())].item(), 4)
+        out.append(t)
+        running = running * torch.sigmoid(passes.logits[:, i] / t)
+    return out
+
+
+def acceptance(target_hf, draft: DSparkDraft, heldout_ids: torch.Tensor, seq_len: int, eos_id: int,
+               limit: int | None = None, generate: int = 64) -> dict:
+    """Offline acceptance at temperature 0, pass by pass as greedy speculative decoding meets it
+    (``chained_passes`` after each held-out window). The accepted length of a pass is the number of leading
+    drafted tokens equal to the target's; calibration compares, per position, the mean predicted survival
+    with the share of passes that got past it (``survival_predicted_uncalibrated``: with every temperature 1).
+    ``first_pass_*`` covers the first pass after each prompt alone.
+    """
+    g = draft.config.dspark_block_size
+    p = chained_passes(target_hf, draft, heldout_ids, seq_len, eos_id, limit, generate)
+    passes, predicted = p.accepted, p.confidence
     survived = torch.stack([(passes > i).float() for i in range(g)], dim=1)
-    first = passes[cols == 0]
+    first = passes[p.anchor == 0]
     return dict(
-        samples=n,
+        samples=p.prompts,
         generated_per_prompt=generate,
         draft_passes=passes.numel(),
         mean_accepted=passes.float().mean().item(),
@@ -321,6 +372,8 @@ def acceptance(target_hf, draft: DSparkDraft, heldout_ids: torch.Tensor, seq_len
         accepted_histogram=torch.bincount(passes, minlength=g + 1).tolist(),
         survival_observed=[round(v, 4) for v in survived.mean(0).tolist()],
         survival_predicted=[round(v, 4) for v in predicted.mean(0).tolist()],
+        survival_predicted_uncalibrated=[round(v, 4) for v in torch.sigmoid(p.logits).cumprod(dim=1).mean(0).tolist()],
+        confidence_temperatures=draft.confidence_temperature.tolist(),
         brier=((predicted - survived) ** 2).mean().item(),
         first_pass_mean_accepted=first.float().mean().item(),
         first_pass_histogram=torch.bincount(first, minlength=g + 1).tolist(),
@@ -335,12 +388,19 @@ def describe_acceptance(acc: dict) -> str:
         f"{acc['samples']} held-out prompts ({acc['draft_passes']} draft passes): mean accepted {acc['mean_accepted']:.2f} "
         f"of {block_size} drafted (+1 bonus: {acc['mean_accepted_plus_bonus']:.2f}); histogram {acc['accepted_histogram']}\n"
         f"first pass after the prompt: mean accepted {acc['first_pass_mean_accepted']:.2f}; histogram {acc['first_pass_histogram']}\n"
-        f"survival per position: observed {acc['survival_observed']}, predicted {acc['survival_predicted']}, Brier {acc['brier']:.4f}"
+        f"survival per position: observed {acc['survival_observed']}, predicted {acc['survival_predicted']} "
+        f"(temperatures {[round(t, 3) for t in acc['confidence_temperatures']]}; all 1: {acc['survival_predicted_uncalibrated']}), "
+        f"Brier {acc['brier']:.4f}"
     )
 
 
+#: config.json fields of deepinfer's earlier draft layout, which the release does not have
+STALE_FIELDS = ("dspark_num_stages", "dspark_context_window", "dspark_confidence_temperatures")
+
+
 def save_draft(out: Path, draft: DSparkDraft, fields: dict) -> None:
-    """Add the ``mtp.*`` tensors to model.safetensors and the ``dspark_*`` fields to config.json."""
+    """Put the ``mtp.*`` tensors (under the release's names) into model.safetensors, replacing any there, and the
+    ``dspark_*`` fields into config.json; the target's tensors are written back unchanged."""
     from safetensors.torch import load_file, save_file
 
     weights = out / "model.safetensors"
@@ -348,7 +408,7 @@ def save_draft(out: Path, draft: DSparkDraft, fields: dict) -> None:
     tensors.update({name: t.detach().clone().contiguous() for name, t in draft.named_parameters().items()})
     save_file(tensors, str(weights), metadata={"format": "pt"})
     cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
+    cfg = {k: v for k, v in json.loads(cfg_path.read_text()).items() if k not in STALE_FIELDS}
     cfg.update(fields)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
@@ -358,7 +418,8 @@ def build_draft(out: Path, fields: dict, seed: int) -> tuple[DeepseekV4Model, DS
     from deepinfer.loader import read_config
 
     target = DeepseekV4Model.from_pretrained(out, Kernels(), dtype=torch.float32)
-    raw = {**read_config(out), **fields}
+    raw = {k: v for k, v in read_config(out).items() if k not in STALE_FIELDS}
+    raw.update(fields, dspark_num_stages=NUM_STAGES)
     draft = DSparkDraft(target, DSparkConfig.from_hf(raw, target.config))
     init_draft(draft, target, torch.Generator().manual_seed(seed))
     return target, draft

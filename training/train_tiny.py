@@ -33,9 +33,11 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "deepinfer" / "models" / 
 #: (full run, smoke run) settings
 SETTINGS = {
     False: dict(shape=TINY, vocab=4096, seq_len=256, batch=8, steps=700, lr=3e-3, max_files=None, heldout_per_mille=50, eval_windows=None,
-                draft=dict(steps=1600, batch=8, seq_len=128, anchors=40, lr=3e-3, generated=1536, real=4, tail=8, markov_rank=32, context_window=128, eval_windows=None, eval_generate=64)),
+                draft=dict(steps=1600, batch=8, seq_len=128, anchors=40, lr=3e-3, generated=1536, real=4, tail=8, markov_rank=32, context_window=128, eval_windows=None, eval_generate=64,
+                           calibration_per_mille=50, calibration_windows=None)),
     True: dict(shape=SMOKE, vocab=300, seq_len=32, batch=2, steps=3, lr=3e-3, max_files=25, heldout_per_mille=200, eval_windows=4,
-               draft=dict(steps=3, batch=2, seq_len=32, anchors=4, lr=1e-3, generated=4, real=1, tail=6, markov_rank=8, context_window=16, eval_windows=4, eval_generate=16)),
+               draft=dict(steps=3, batch=2, seq_len=32, anchors=4, lr=1e-3, generated=4, real=1, tail=6, markov_rank=8, context_window=16, eval_windows=4, eval_generate=16,
+                          calibration_per_mille=100, calibration_windows=4)),
 }
 
 
@@ -99,24 +101,36 @@ def train_target_phase(args, s: dict, corpus, tok, train_ids, heldout_ids) -> di
 
 
 def train_draft_phase(args, s: dict, tok, train_ids, heldout_ids) -> dict:
-    """Phase 2: train the DSpark draft against the saved target, measure acceptance, add it to the checkpoint."""
+    """Phase 2: train the DSpark draft against the saved target on the training text but its last
+    ``calibration_per_mille``, fit the confidence temperatures on that slice, measure acceptance on the held-out
+    text, add the draft to the checkpoint."""
     from transformers import DeepseekV4ForCausalLM
 
-    from .dspark_train import acceptance, build_draft, describe_acceptance, dspark_fields, save_draft, train_dspark
+    from .dspark_train import (acceptance, build_draft, chained_passes, describe_acceptance, dspark_fields, fit_temperatures,
+                               save_draft, train_dspark)
 
     d = s["draft"]
     shape = s["shape"]
     torch.set_num_threads(args.draft_threads)
+    eos = tok.token_to_id(EOS_TOKEN)
     fields = dspark_fields(shape["num_hidden_layers"], tok.token_to_id(NOISE_TOKEN), d["context_window"], d["markov_rank"])
     target, draft = build_draft(args.out, fields, args.seed + 3)
     hf = DeepseekV4ForCausalLM.from_pretrained(str(args.out)).eval()
-    log = train_dspark(hf, target, draft, train_ids, steps=d["steps"], batch=d["batch"], seq_len=d["seq_len"],
+    cut = train_ids.numel() - train_ids.numel() * d["calibration_per_mille"] // 1000
+    draft_ids, calibration_ids = train_ids[:cut], train_ids[cut:]
+    log = train_dspark(hf, target, draft, draft_ids, steps=d["steps"], batch=d["batch"], seq_len=d["seq_len"],
                        anchors=d["anchors"], lr=d["lr"], seed=args.seed + 4, generated=d["generated"],
                        real=d["real"], tail=d["tail"])
-    acc = acceptance(hf, draft, heldout_ids, d["seq_len"], tok.token_to_id(EOS_TOKEN), d["eval_windows"], d["eval_generate"])
+    calibration = chained_passes(hf, draft, calibration_ids, d["seq_len"], eos, d["calibration_windows"], d["eval_generate"])
+    temps = fit_temperatures(calibration)
+    draft.confidence_temperature.copy_(torch.tensor(temps))
+    fields["dspark_confidence_temperatures"] = temps
+    print(f"confidence temperatures {temps}, fitted on {calibration.accepted.numel()} passes after "
+          f"{calibration.prompts} calibration prompts", flush=True)
+    acc = acceptance(hf, draft, heldout_ids, d["seq_len"], eos, d["eval_windows"], d["eval_generate"])
     print(describe_acceptance(acc), flush=True)
     save_draft(args.out, draft, fields)
-    return dict(draft_log=log, dspark=fields, acceptance=acc)
+    return dict(draft_log=log, dspark=fields, acceptance=acc, calibration_passes=calibration.accepted.numel())
 
 
 def main(argv: list[str] | None = None) -> dict:

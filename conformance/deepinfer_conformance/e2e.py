@@ -137,7 +137,7 @@ def step_logprobs(
                 cache.begin_forward(batch)
                 graph = graphs.find(n, batch.max_context_len)
                 graph.load(batch, cache)
-                logits = graph.replay()[:n].clone()
+                logits = graph.replay()[0][:n].clone()
     return out, tokens
 
 

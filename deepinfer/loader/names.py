@@ -6,7 +6,11 @@ DeepSeek's own release (and its ``inference/`` code) names the same tensors
 without the ``model.`` prefix, calls the embedding ``embed``, the final norm and
 head collapse top-level tensors, and the attention's kv norm ``kv_norm``; block
 scales sit beside their weights as ``.scale`` (V4) or ``_scale_inv`` (V3).
-``mtp.*`` (the DSpark draft) keeps its release names.
+
+``mtp.*`` (the DSpark draft) keeps its release names. Other spellings of the
+draft's tensors load under them too: transformers' (``hc_head.hc_fn``, a stage's
+kv norm as ``attn.norm``), V3-style ``weight_scale_inv`` scales, and deepinfer's
+earlier Markov-head names (``markov_head.embed`` / ``markov_head.proj``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,23 @@ RULES: tuple[tuple[str, str], ...] = (
     (r"^layers\.(\d+)\.(.+)$", r"model.layers.\1.\2"),
 )
 
+#: (other spelling, release name) of the DSpark draft's tensors, the first match wins
+DRAFT_RULES: tuple[tuple[str, str], ...] = (
+    (r"^mtp\.(\d+)\.attn\.norm\.weight$", r"mtp.\1.attn.kv_norm.weight"),
+    (r"^mtp\.(\d+)\.hc_head\.hc_(fn|base|scale)$", r"mtp.\1.hc_head_\2"),
+    (r"^mtp\.(\d+)\.markov_head\.embed\.weight$", r"mtp.\1.markov_head.markov_w1.weight"),
+    (r"^mtp\.(\d+)\.markov_head\.proj\.weight$", r"mtp.\1.markov_head.markov_w2.weight"),
+)
+
 _COMPILED = tuple((re.compile(p), r) for p, r in RULES)
+_DRAFT = tuple((re.compile(p), r) for p, r in DRAFT_RULES)
+
+
+def _first_rule(name: str, rules) -> str:
+    for pattern, replacement in rules:
+        if pattern.match(name):
+            return pattern.sub(replacement, name)
+    return name
 
 
 def model_name(name: str) -> str:
@@ -30,11 +50,7 @@ def model_name(name: str) -> str:
 
     A V3-style block scale ``X.weight_scale_inv`` is named ``X.scale``, as V4 names it.
     """
-    if name.startswith("mtp."):
-        return name
     if name.endswith(".weight_scale_inv"):
         name = name[: -len("weight_scale_inv")] + "scale"
-    for pattern, replacement in _COMPILED:
-        if pattern.match(name):
-            return pattern.sub(replacement, name)
-    return name
+    return _first_rule(name, _DRAFT if name.startswith("mtp.") else _COMPILED)
+

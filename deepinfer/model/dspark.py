@@ -1,32 +1,41 @@
 """DSpark: the checkpoint's draft stages (``mtp.0`` .. ``mtp.{S-1}``) that propose a block of tokens in one pass.
 
-The target's hidden states at the layers ``dspark_target_layer_ids`` (each the
-mean of the layer's output hyper-connection streams) are concatenated, normed
-(``mtp.0.main_norm``) and projected (``mtp.0.main_proj``) into one context
-vector per committed position. Every stage turns those vectors into K=V rows at
-their positions and keeps the last ``dspark_context_window`` of them in its ring.
+Laid out as DeepSeek-V4-Flash-DSpark publishes it. The target's hidden states at
+the layers ``dspark_target_layer_ids`` (each the mean of the layer's output
+hyper-connection streams) are concatenated, projected (``mtp.0.main_proj``,
+``[D, L·D]``) and normed (``mtp.0.main_norm``, ``[D]``) into one context vector
+per committed position. Every stage turns those vectors into K=V rows at their
+positions (its ``wkv``, ``kv_norm`` and RoPE) and keeps the last
+``dspark_context_window`` of them in its ring.
 
 One draft pass takes the last committed token followed by ``block_size − 1``
-noise tokens (``dspark_noise_token_id``) at the next positions, embeds them with
-the target's embedding, adds the newest context vector (that of the position
-before the anchor) to every block position, and runs the stages: V4 blocks with sliding-window
-attention only (no compressor, no indexer), a routed MoE and mHC streams. Each
-block position attends to its ring and to every position of the block (not
-causal within the block). The last stage collapses the streams (``hc_head``),
-norms them and applies the target's LM head. Position ``i`` proposes the token
-after position ``i``; tokens are chosen left to right because the Markov head
-(a rank-``dspark_markov_rank`` bigram) adds a bias from the previous token. The
-confidence head scores, from each position's hidden state and the probability
-of its drafted token, the chance that the token survives verification given
-that the ones before it did; the running product is the survival probability.
+noise tokens (``dspark_noise_token_id``) at the next positions, embedded with
+the target's embedding (nothing else enters the block), and runs the stages: V4
+blocks with sliding-window attention only (no compressor, no indexer), a routed
+MoE and mHC streams. Each block position attends to its ring and to every
+position of the block (not causal within the block). The last stage collapses
+the streams (``hc_head_*``), norms them and applies the target's LM head.
+Position ``i`` proposes the token after position ``i``; tokens are chosen left to
+right because the Markov head (``markov_w2 · markov_w1[previous token]``, rank
+``dspark_markov_rank``) adds a bias from the previous token.
 
-All compute goes through ``Kernels`` ops; the tensors use the checkpoint's names.
+The confidence head scores, from each position's collapsed hidden state (before
+the final norm) and ``markov_w1`` of its previous token, the chance that the
+position's token survives verification given that the ones before it did. It
+never sees the token it scores, so admitting a prefix by confidence cannot
+depend on the token admitted. ``sigmoid(logit / T_i)`` with the optional
+per-position temperatures ``dspark_confidence_temperatures`` (a calibration,
+1 by default) is that chance; the running product is the survival probability.
+
+Weights load as the checkpoint stores them (FP8 linears and FP4 routed experts
+stay quantized, as the target's do). All compute goes through ``Kernels`` ops.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -34,43 +43,100 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from deepinfer_interfaces import Kernels
 
 from ..errors import CheckpointError, ConfigError
+from ..loader.block_scales import DEFAULT_BLOCK, FP4_DTYPES, FP8_DTYPES, block_for, dequantize
+from .attention import grouped_output
 from .config import SLIDING, ModelConfig
 from .layer import DecoderLayer
+from .linear import QuantPlan, linear, linear_param
 from .params import ParamTree
+
+#: one stage's tensor: (stage, name within the stage)
+_STAGE_TENSOR = re.compile(r"^mtp\.(\d+)\.(.+)$")
+#: a stage's kv norm under the decoder layer's name (the target's, as transformers names it)
+_LAYER_KV_NORM = re.compile(r"^(mtp\.\d+\.attn\.)norm\.weight$")
+DEFAULT_CONTEXT_WINDOW = 128
+#: dtypes of parameters held plain (a quantized weight stored for one is dequantized)
+PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+SHOWN_NAMES = 3
 
 
 class DSparkConfig(BaseModel):
-    """The ``dspark_*`` fields of config.json."""
+    """The draft's fields of config.json, under the names the engine reads.
+
+    The stage count comes from ``dspark_num_stages`` or ``n_mtp_layers`` (the
+    release's ``inference/config.json``), else from the ``mtp.{i}`` prefixes of
+    the checkpoint (never from ``num_nextn_predict_layers``, which the release
+    sets to 1 for its three stages); the context window from
+    ``dspark_context_window`` or ``dspark_window_size``, else 128.
+    """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    dspark_num_stages: int = 3
+    #: None: not given by config.json and no checkpoint names to count
+    dspark_num_stages: int | None = None
     dspark_block_size: int = 5
     dspark_target_layer_ids: list[int]
     dspark_noise_token_id: int
     dspark_markov_rank: int
-    dspark_context_window: int = 128
+    dspark_context_window: int = DEFAULT_CONTEXT_WINDOW
+    #: per-position temperatures of the confidence logits (None: all 1), fitted on held-out text
+    dspark_confidence_temperatures: list[float] | None = None
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], model: ModelConfig) -> "DSparkConfig | None":
-        """The draft's config, or None when config.json declares no DSpark draft."""
+    def from_hf(cls, raw: dict[str, Any], model: ModelConfig, stored: Iterable[str] | None = None) -> "DSparkConfig | None":
+        """The draft's config, or None when config.json declares no DSpark draft; ``stored``: the checkpoint's
+        ``mtp.*`` tensor names, which give the stage count when config.json does not."""
         if "dspark_block_size" not in raw:
             return None
+        head = raw.get("dspark_markov_head_type", "vanilla")
+        if head != "vanilla":
+            raise ConfigError(f"dspark_markov_head_type is {head!r}; deepinfer runs the 'vanilla' Markov head only")
         try:
-            cfg = cls.model_validate(raw)
+            cfg = cls.model_validate({**raw, **_resolved_fields(raw, stored)})
         except ValidationError as exc:
             err = exc.errors()[0]
             raise ConfigError(f"invalid DSpark config: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-        bad = [i for i in cfg.dspark_target_layer_ids if not 0 <= i < model.num_hidden_layers]
-        if bad or not cfg.dspark_target_layer_ids:
-            raise ConfigError(
-                f"dspark_target_layer_ids {cfg.dspark_target_layer_ids} must name layers in [0, {model.num_hidden_layers}); fix config.json"
-            )
-        if not 0 <= cfg.dspark_noise_token_id < model.vocab_size:
-            raise ConfigError(f"dspark_noise_token_id {cfg.dspark_noise_token_id} is outside the vocabulary [0, {model.vocab_size})")
-        if cfg.dspark_block_size < 1 or cfg.dspark_num_stages < 1 or cfg.dspark_markov_rank < 1 or cfg.dspark_context_window < 1:
-            raise ConfigError("dspark_block_size, dspark_num_stages, dspark_markov_rank and dspark_context_window must be positive")
+        cfg._check(model)
         return cfg
+
+    def _check(self, model: ModelConfig) -> None:
+        bad = [i for i in self.dspark_target_layer_ids if not 0 <= i < model.num_hidden_layers]
+        if bad or not self.dspark_target_layer_ids:
+            raise ConfigError(
+                f"dspark_target_layer_ids {self.dspark_target_layer_ids} must name layers in [0, {model.num_hidden_layers}); fix config.json"
+            )
+        if not 0 <= self.dspark_noise_token_id < model.vocab_size:
+            raise ConfigError(f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary [0, {model.vocab_size})")
+        sizes = (self.dspark_block_size, self.dspark_markov_rank, self.dspark_context_window, self.dspark_num_stages or 1)
+        if min(sizes) < 1:
+            raise ConfigError("dspark_block_size, the stage count, dspark_markov_rank and the context window must be positive")
+        temps = self.dspark_confidence_temperatures
+        if temps is not None and (len(temps) != self.dspark_block_size or min(temps) <= 0):
+            raise ConfigError(
+                f"dspark_confidence_temperatures {temps} must hold {self.dspark_block_size} positive values, one per block position; "
+                "refit them or remove the field"
+            )
+
+
+def _resolved_fields(raw: dict[str, Any], stored: Iterable[str] | None) -> dict[str, Any]:
+    """The stage count and context window under the engine's names, from whichever spelling config.json uses."""
+    given = {k: raw[k] for k in ("dspark_num_stages", "n_mtp_layers") if raw.get(k) is not None}
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"config.json gives two stage counts {given}; keep one")
+    stages = next(iter(given.values()), None)
+    if stages is None and stored is not None:
+        stages = stage_count(stored)
+    window = next((raw[k] for k in ("dspark_context_window", "dspark_window_size") if raw.get(k) is not None), DEFAULT_CONTEXT_WINDOW)
+    return dict(dspark_num_stages=stages, dspark_context_window=window)
+
+
+def stage_count(names: Iterable[str]) -> int:
+    """How many stages ``mtp.0``, ``mtp.1``, ... in a row the tensor ``names`` hold."""
+    found = {int(m.group(1)) for m in map(_STAGE_TENSOR.match, names) if m is not None}
+    count = 0
+    while count in found:
+        count += 1
+    return count
 
 
 @dataclass
@@ -85,6 +151,17 @@ class Draft:
     accept_probs: torch.Tensor
     #: ``[N, γ]`` probability that positions ``0..i`` all survive verification
     confidence: torch.Tensor
+    #: ``[N, γ, V]`` the distribution each token was drawn from (one-hot for greedy rows); only when asked
+    probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Header:
+    """What ``QuantPlan.from_checkpoint`` reads of a stored tensor."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 def _stage_config(config: ModelConfig) -> ModelConfig:
@@ -92,56 +169,159 @@ def _stage_config(config: ModelConfig) -> ModelConfig:
     return config.model_copy(update=dict(num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"]))
 
 
-class DSparkDraft(ParamTree):
-    """The draft stages and heads; the embedding, LM head and main rotary are the target's."""
+def draft_plan(stored: dict[str, torch.Tensor], block: tuple[int, int]) -> QuantPlan:
+    """The storage of the draft's weight roles, read off the stored ``mtp.*`` tensors as the target's plan is read
+    off its layers (``main_proj`` is a role of its own)."""
+    catalog = {}
+    for name, t in stored.items():
+        m = _STAGE_TENSOR.match(name)
+        if m is not None:
+            catalog[f"model.layers.{m.group(1)}.{m.group(2)}"] = _Header(name, t.dtype, tuple(t.shape))
+    return QuantPlan.from_checkpoint(catalog, block)
 
-    def __init__(self, target, config: DSparkConfig) -> None:
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:SHOWN_NAMES])
+    return shown + (f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else "")
+
+
+def _is_codes(t: torch.Tensor) -> bool:
+    return t.dtype in FP8_DTYPES or t.dtype in FP4_DTYPES
+
+
+def _dequantized_scales(params: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Plain parameters whose stored tensor is quantized, each with the name of its stored block scale
+    (dequantized on load, as the target's loader does where its plan holds a role plain)."""
+    out = {}
+    for name, p in params.items():
+        scale = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+        t = stored.get(name)
+        if t is not None and p.dtype in PLAIN_DTYPES and _is_codes(t) and scale in stored and scale not in params:
+            out[name] = scale
+    return out
+
+
+class DSparkDraft(ParamTree):
+    """The draft stages and heads; the embedding, LM head and main rotary are the target's.
+
+    Parameters are named as the release names its tensors (``names.model_name``
+    maps the other spellings onto them) and held as ``plan`` says: plain in the
+    target's dtype, or FP8 / FP4 codes with block scales.
+    """
+
+    def __init__(self, target, config: DSparkConfig, plan: QuantPlan | None = None) -> None:
         super().__init__(target.device)
+        if config.dspark_num_stages is None:
+            raise ConfigError("the DSpark stage count is unknown: add n_mtp_layers to config.json or build the draft with from_target")
         c, mc = config, target.config
-        self.config, self.model_config = c, mc
+        plan = plan or QuantPlan()
+        self.config, self.model_config, self.plan = c, mc, plan
         self.kernels: Kernels = target.kernels
         self.embed, self.head, self.rope = target.embed, target.head, target.rope_main
         self.dtype = target.dtype
         self.eps = mc.rms_norm_eps
-        d, n = mc.hidden_size, mc.hc_mult
+        d, n, r = mc.hidden_size, mc.hc_mult, c.dspark_markov_rank
         root = self.child("mtp", ParamTree(target.device))
         stage_cfg = _stage_config(mc)
-        self.stages = [DecoderLayer(stage_cfg, 0, self.dtype, target.device) for _ in range(c.dspark_num_stages)]
+        self.stages = [DecoderLayer(stage_cfg, 0, self.dtype, target.device, plan) for _ in range(c.dspark_num_stages)]
         for i, stage in enumerate(self.stages):
             root.child(str(i), stage)
         first, last = self.stages[0], self.stages[-1]
         width = len(c.dspark_target_layer_ids) * d
-        self.main_norm = first.param("main_norm.weight", (width,), torch.float32)
-        self.main_proj = first.param("main_proj.weight", (d, width), self.dtype)
-        self.hc_fn = last.param("hc_head.hc_fn", (n, n * d), torch.float32)
-        self.hc_base = last.param("hc_head.hc_base", (n,), torch.float32)
-        self.hc_scale = last.param("hc_head.hc_scale", (1,), torch.float32)
+        self.main_proj = linear_param(first, "main_proj", d, width, self.dtype, plan.storage("main_proj"))
+        self.main_norm = first.param("main_norm.weight", (d,), torch.float32)
+        self.hc_fn = last.param("hc_head_fn", (n, n * d), torch.float32)
+        self.hc_base = last.param("hc_head_base", (n,), torch.float32)
+        self.hc_scale = last.param("hc_head_scale", (1,), torch.float32)
         self.norm = last.param("norm.weight", (d,), torch.float32)
-        r = c.dspark_markov_rank
-        self.markov_embed = last.param("markov_head.embed.weight", (mc.vocab_size, r), self.dtype)
-        self.markov_proj = last.param("markov_head.proj.weight", (mc.vocab_size, r), self.dtype)
-        self.conf_w = last.param("confidence_head.proj.weight", (1, d + 1), torch.float32)
-        self.conf_b = last.param("confidence_head.proj.bias", (1,), torch.float32)
+        self.markov_w1 = last.param("markov_head.markov_w1.weight", (mc.vocab_size, r), self.dtype)
+        self.markov_w2 = last.param("markov_head.markov_w2.weight", (mc.vocab_size, r), self.dtype)
+        self.conf_w = last.param("confidence_head.proj.weight", (1, d + r), torch.float32)
+        temps = c.dspark_confidence_temperatures or [1.0] * c.dspark_block_size
+        #: ``[γ]`` the confidence logits' per-position temperatures
+        self.confidence_temperature = torch.tensor(temps, dtype=torch.float32, device=target.device)
 
     @classmethod
-    def from_target(cls, target, raw_config: dict[str, Any]) -> "DSparkDraft":
-        """Build the draft of a loaded target from the ``mtp.*`` tensors it kept aside."""
-        cfg = DSparkConfig.from_hf(raw_config, target.config)
+    def from_target(cls, target, raw_config: dict[str, Any], quantization: str | None = None) -> "DSparkDraft":
+        """Build the draft of a loaded target from the ``mtp.*`` tensors it kept aside.
+
+        ``quantization="auto"`` keeps what the checkpoint stores quantized (FP8 linears, FP4 experts) quantized;
+        ``"dequantize"`` holds every weight in the target's dtype; None does as the target did (``"auto"`` when
+        it holds any weight quantized).
+        """
+        stored = {name: t for name, t in target.extra_tensors.items() if name.startswith("mtp.")}
+        cfg = DSparkConfig.from_hf(raw_config, target.config, stored)
         if cfg is None:
             raise ConfigError("config.json has no dspark_* fields, so the checkpoint carries no DSpark draft; run without speculative decoding")
-        draft = cls(target, cfg)
-        params = draft.named_parameters()
-        stored = target.extra_tensors
+        if not stored:
+            raise CheckpointError("config.json declares a DSpark draft but the checkpoint has no mtp.* tensors; use a checkpoint with its draft stages")
+        mode = quantization or ("auto" if target.plan.roles else "dequantize")
+        if mode not in ("auto", "dequantize"):
+            raise ConfigError(f"quantization {mode!r} is not one of 'auto', 'dequantize'")
+        q = target.config.quantization
+        block = tuple(q.weight_block_size) if q is not None else DEFAULT_BLOCK
+        draft = cls(target, cfg, draft_plan(stored, block) if mode == "auto" else QuantPlan())
+        draft.load(stored, block)
+        return draft
+
+    # ----- loading -----
+
+    def named_parameters(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The parameters under the release's names: a stage's kv norm is ``attn.kv_norm.weight`` (its decoder
+        layer calls it ``attn.norm.weight``, as the target's do)."""
+        return {_LAYER_KV_NORM.sub(r"\1kv_norm.weight", name): t for name, t in super().named_parameters(prefix).items()}
+
+    def load(self, stored: dict[str, torch.Tensor], block: tuple[int, int] = DEFAULT_BLOCK) -> None:
+        """Copy the stored ``mtp.*`` tensors (model names) into the parameters: codes and scales as stored where
+        the parameter is quantized, dequantized where it is plain; every tensor checked first."""
+        params = self.named_parameters()
+        scales = _dequantized_scales(params, stored)
         missing = sorted(set(params) - set(stored))
         if missing:
-            raise CheckpointError(f"the checkpoint lacks DSpark tensors {missing[:3]} ({len(missing)} in all); use a checkpoint with its mtp.* draft stages")
+            raise CheckpointError(
+                f"the checkpoint lacks DSpark tensors {_names(missing)} ({len(missing)} in all); "
+                "use a checkpoint with its complete mtp.* draft stages"
+            )
+        unexpected = sorted(set(stored) - set(params) - set(scales.values()))
+        if unexpected:
+            raise CheckpointError(
+                f"checkpoint tensors {_names(unexpected)} ({len(unexpected)} in all) belong to no DSpark draft parameter; "
+                "the mtp.* tensors do not match config.json's dspark_* fields"
+            )
+        steps = [(p, self._value_of(name, p, stored, scales.get(name), block)) for name, p in params.items()]
         with torch.no_grad():
-            for name, p in params.items():
-                t = stored[name]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise CheckpointError(f"checkpoint tensor {name!r} has shape {list(t.shape)} but the draft expects {list(p.shape)}")
-                p.copy_(t.to(p.dtype))
-        return draft
+            for p, value in steps:
+                p.copy_(value())
+
+    @staticmethod
+    def _value_of(name: str, p: torch.Tensor, stored: dict[str, torch.Tensor], scale_name: str | None, block: tuple[int, int]):
+        """A check of ``stored[name]`` against parameter ``p`` now, and the value to copy into ``p`` later."""
+        t = stored[name]
+        where = f"checkpoint tensor {name!r}"
+        if scale_name is not None:
+            logical = (*t.shape[:-1], 2 * t.shape[-1]) if t.dtype in FP4_DTYPES else tuple(t.shape)
+            scale = stored[scale_name]
+            tile = block_for(logical, tuple(scale.shape), block)
+            if tuple(logical) != tuple(p.shape) or tile is None:
+                raise CheckpointError(
+                    f"{where} holds a {_shape(logical)} weight with {_shape(scale.shape)} block scales but the draft expects "
+                    f"{_shape(p.shape)}; the mtp.* tensors do not match config.json"
+                )
+            return lambda: dequantize(t, scale, tile)
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"{where} has shape {_shape(t.shape)} but the draft expects {_shape(p.shape)}; the mtp.* tensors do not match config.json")
+        if p.dtype == torch.uint8 and t.element_size() == 1:
+            return lambda: t.view(torch.uint8)  # codes or UE8M0 exponents, byte for byte
+        if t.dtype == p.dtype or (t.dtype in PLAIN_DTYPES and p.dtype in PLAIN_DTYPES):
+            return lambda: t
+        raise CheckpointError(
+            f"{where} is stored as {str(t.dtype).removeprefix('torch.')} but the draft holds it as "
+            f"{str(p.dtype).removeprefix('torch.')}; store a quantized weight with its block-scale tensor, or unquantized"
+        )
 
     # ----- context -----
 
@@ -149,45 +329,38 @@ class DSparkDraft(ParamTree):
         """``[T, L, D]`` target hidden states (one per target layer) → ``[T, D]`` context vectors."""
         k = self.kernels
         flat = hidden.reshape(hidden.shape[0], -1).to(self.dtype)
-        return k.rms_norm(flat, self.main_norm, self.eps) @ self.main_proj.t()
+        return k.rms_norm(linear(k, flat, self.main_proj), self.main_norm, self.eps)
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[S, T, head_dim]``: each stage's K=V rows of context vectors ``[T, D]`` at ``positions``."""
         k = self.kernels
         cos, sin = self.rope(positions)
-        rows = []
-        for stage in self.stages:
-            a = stage.attn
-            x = k.rms_norm(ctx, stage.attn_norm, self.eps)
-            rows.append(k.rope(k.rms_norm(x @ a.wkv.t(), a.kv_norm, self.eps), cos, sin))
+        rows = [k.rope(k.rms_norm(linear(k, ctx, s.attn.wkv), s.attn.kv_norm, self.eps), cos, sin) for s in self.stages]
         return torch.stack(rows)
 
     # ----- one pass -----
 
     def _attention(self, stage: DecoderLayer, x: torch.Tensor, cos, sin, ctx_kv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The stage's attention of block rows ``x`` over its context rows and the block."""
         k, a = self.kernels, stage.attn
         t = x.shape[0]
-        q_lat = k.rms_norm(x @ a.wq_a.t(), a.q_norm, self.eps)
-        q = k.rms_norm((q_lat @ a.wq_b.t()).view(t, a.heads, a.head_dim), None, self.eps)
+        q_in, kv_in = a.proj_in(k, x)
+        q_lat = k.rms_norm(q_in, a.q_norm, self.eps)
+        q = k.rms_norm(linear(k, q_lat, a.wq_b).view(t, a.heads, a.head_dim), None, self.eps)
         q = k.rope(q, cos, sin)
-        kv = k.rope(k.rms_norm(x @ a.wkv.t(), a.kv_norm, self.eps), cos, sin)
+        kv = k.rope(k.rms_norm(kv_in, a.kv_norm, self.eps), cos, sin)
         out = k.sparse_attention(q, torch.cat([ctx_kv, kv]), rows, a.sinks, a.head_dim**-0.5)
         out = k.rope(out, cos, sin, inverse=True)
-        per_group = a.heads * a.head_dim // a.groups
-        w = a.wo_a.view(a.groups, -1, per_group)
-        mixed = torch.einsum("tgi,gri->tgr", out.reshape(t, a.groups, per_group), w).reshape(t, a.wo_b.shape[1])
-        return mixed @ a.wo_b.t()
+        grouped = out.reshape(t, a.groups, a.heads * a.head_dim // a.groups)
+        return linear(k, grouped_output(k, grouped, a.wo_a, a.groups), a.wo_b)
 
-    def hidden(
-        self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: torch.Tensor, ring_rows: torch.Tensor, last_ctx: torch.Tensor
-    ) -> torch.Tensor:
-        """``[N, γ, D]`` final hidden states of the blocks.
+    def hidden(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: torch.Tensor, ring_rows: torch.Tensor) -> torch.Tensor:
+        """``[N, γ, D]`` hidden states of the blocks, collapsed by ``hc_head`` (before the final norm).
 
         ``anchor_ids`` / ``anchor_pos`` ``[N]``: each sequence's last committed token
         and its position. ``ctx_kv`` ``[S, P, head_dim]`` holds every stage's context
         rows; ``ring_rows`` ``[N, W]`` names the rows (into ``P``, ``-1`` padding)
-        each block may see; ``last_ctx`` ``[N, D]`` is the context vector of the
-        position before each anchor (zeros at the start of a sequence).
+        each block may see.
         """
         k, c, mc = self.kernels, self.config, self.model_config
         g, n = c.dspark_block_size, anchor_ids.shape[0]
@@ -199,8 +372,7 @@ class DSparkDraft(ParamTree):
         block = ctx_kv.shape[1] + torch.arange(n * g, device=dev).view(n, 1, g).expand(n, g, g)
         rows = torch.cat([ring_rows[:, None, :].expand(n, g, ring_rows.shape[1]), block], dim=2).reshape(n * g, -1)
         flat_ids = ids.reshape(-1)
-        x0 = (self.embed[ids] + last_ctx[:, None, :].to(self.embed.dtype)).reshape(n * g, -1)
-        streams = x0[:, None, :].expand(-1, mc.hc_mult, -1).contiguous()
+        streams = self.embed[flat_ids][:, None, :].expand(-1, mc.hc_mult, -1).contiguous()
         for s, stage in enumerate(self.stages):
             x, post, comb = stage.hc_attn.pre(k, streams)
             y = self._attention(stage, k.rms_norm(x, stage.attn_norm, self.eps), cos, sin, ctx_kv[s], rows)
@@ -209,16 +381,22 @@ class DSparkDraft(ParamTree):
             y = stage.ffn(k, k.rms_norm(x, stage.ffn_norm, self.eps), flat_ids)
             streams = k.mhc_post(y, streams, post, comb)
         h = k.mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, mc.rms_norm_eps, mc.hc_eps)
-        return k.rms_norm(h, self.norm, self.eps).view(n, g, -1)
+        return h.view(n, g, -1)
 
     def logits(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
-        """LM-head logits of hidden states ``[..., D]`` plus the Markov bias of the previous tokens ``[...]``."""
-        return h @ self.head.t() + self.markov_embed[prev_ids] @ self.markov_proj.t()
+        """LM-head logits of ``hidden`` states ``[..., D]`` (normed here) plus the Markov bias of the previous tokens ``[...]``."""
+        normed = self.kernels.rms_norm(h, self.norm, self.eps)
+        return normed @ self.head.t() + self.markov_w1[prev_ids] @ self.markov_w2.t()
 
-    def accept_logit(self, h: torch.Tensor, token_prob: torch.Tensor) -> torch.Tensor:
-        """The confidence head's logit of surviving verification, from ``h`` ``[..., D]`` and the drafted token's probability."""
-        feats = torch.cat([h.float(), token_prob.float()[..., None]], dim=-1)
-        return (feats @ self.conf_w.t() + self.conf_b)[..., 0]
+    def accept_logit(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """The confidence head's fp32 logit that a position survives verification given that the earlier ones did,
+        from its ``hidden`` state ``[..., D]`` and its previous token ``[...]`` (never from its own token)."""
+        feats = torch.cat([h.float(), self.markov_w1[prev_ids].float()], dim=-1)
+        return (feats @ self.conf_w.t())[..., 0]
+
+    def accept_probs(self, logit: torch.Tensor) -> torch.Tensor:
+        """``[..., γ]`` calibrated survival chances of confidence logits ``[..., γ]``: ``sigmoid(logit / T_i)``."""
+        return torch.sigmoid(logit / self.confidence_temperature)
 
     @torch.inference_mode()
     def draft(
@@ -227,31 +405,49 @@ class DSparkDraft(ParamTree):
         anchor_pos: torch.Tensor,
         ctx_kv: torch.Tensor,
         ring_rows: torch.Tensor,
-        last_ctx: torch.Tensor,
-        temperature: float = 0.0,
+        temperature: float | torch.Tensor = 0.0,
         generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
+        keep_probs: bool = False,
     ) -> Draft:
-        """Propose ``γ`` tokens per sequence, left to right through the Markov head (greedy at temperature 0)."""
+        """Propose ``γ`` tokens per sequence, left to right through the Markov head.
+
+        ``temperature`` is one value or one per sequence (``0``: greedy). Sampled rows race
+        ``probability / noise``; ``noise`` ``[N, γ, V]`` of Exp(1) draws (each request's own) or, without
+        it, draws from ``generator``. ``keep_probs`` also returns each position's sampling distribution,
+        which rejection sampling needs."""
         k = self.kernels
-        h = self.hidden(anchor_ids, anchor_pos, ctx_kv, ring_rows, last_ctx)
+        h = self.hidden(anchor_ids, anchor_pos, ctx_kv, ring_rows)
         n, g = h.shape[:2]
         dev = h.device
-        temp = torch.full((n,), float(temperature), device=dev)
+        temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).expand(n).contiguous()
+        greedy = temp <= 0
         top_k = torch.zeros(n, dtype=torch.long, device=dev)
         top_p, min_p = torch.ones(n, device=dev), torch.zeros(n, device=dev)
-        prev = anchor_ids
-        tokens, probs = [], []
+        prevs = [anchor_ids]
+        tokens, probs, dists = [], [], []
+        sampled = bool((~greedy).any())
         for i in range(g):
-            logits = self.logits(h[:, i], prev).float()
-            noise = torch.empty_like(logits).exponential_(generator=generator) if temperature > 0 else torch.ones_like(logits)
-            tok = k.sample(logits, temp, top_k, top_p, min_p, noise)
-            scaled = logits / temperature if temperature > 0 else logits
-            probs.append(torch.softmax(scaled, dim=-1).gather(-1, tok[:, None])[:, 0])
+            logits = self.logits(h[:, i], prevs[-1]).float()
+            if not sampled:
+                step_noise = torch.ones((), device=dev).expand_as(logits)
+            elif noise is not None:
+                step_noise = noise[:, i]
+            else:
+                step_noise = torch.empty_like(logits).exponential_(generator=generator)
+            tok = k.sample(logits, temp, top_k, top_p, min_p, step_noise)
+            scaled = torch.softmax(logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None], dim=-1)
+            probs.append(scaled.gather(-1, tok[:, None])[:, 0])
+            if keep_probs:
+                onehot = torch.zeros_like(scaled).scatter_(-1, tok[:, None], 1.0)
+                dists.append(torch.where(greedy[:, None], onehot, scaled))
             tokens.append(tok)
-            prev = tok
-        token_probs = torch.stack(probs, dim=1)
-        accept = torch.sigmoid(self.accept_logit(h, token_probs))
-        return Draft(torch.stack(tokens, dim=1), token_probs, accept, torch.cumprod(accept, dim=1))
+            prevs.append(tok)
+        accept = self.accept_probs(self.accept_logit(h, torch.stack(prevs[:-1], dim=1)))
+        return Draft(
+            torch.stack(tokens, dim=1), torch.stack(probs, dim=1), accept, torch.cumprod(accept, dim=1),
+            torch.stack(dists, dim=1) if keep_probs else None,
+        )
 
 
 class DSparkRing:
@@ -274,6 +470,19 @@ class DSparkRing:
         rows = slot * self.window + positions % self.window
         self.kv[:, rows] = kv.to(self.kv.dtype)
         self.positions[rows] = positions
+
+    def clear(self, slot: int) -> None:
+        """Forget a slot's context (a new sequence takes it, or its state is recomputed)."""
+        w = self.window
+        self.positions[slot * w : (slot + 1) * w] = -1
+        self.ctx[slot] = 0
+
+    def copy(self, src: int, dst: int) -> None:
+        """Give slot ``dst`` the context of slot ``src`` (a parallel-sampling sibling starting as its copy)."""
+        w = self.window
+        self.kv[:, dst * w : (dst + 1) * w] = self.kv[:, src * w : (src + 1) * w]
+        self.positions[dst * w : (dst + 1) * w] = self.positions[src * w : (src + 1) * w]
+        self.ctx[dst] = self.ctx[src]
 
     def last_ctx(self, slots: list[int]) -> torch.Tensor:
         """``[N, D]`` newest context vector of each slot."""

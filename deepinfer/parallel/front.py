@@ -25,6 +25,7 @@ from ..model.config import ModelConfig
 from ..outputs import RequestOutput
 from ..registry import select_backend
 from ..sampling_params import SamplingParams
+from ..stats import spec_figures, spec_line
 from .launch import SpawnedGroup, spawn_ranks
 from .placement import ExpertPlacement
 from .protocol import Abort, AddRequest, Command, Metrics, RankReport, Shutdown, Tick
@@ -65,6 +66,9 @@ def merge_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             values = [m[key] for m in per_rank]
             out[key] = max(values) if key in ("steps", "wall_seconds") or key.endswith("_per_step") else sum(values)
+    for key in ("spec_position_verified", "spec_position_accepted"):
+        out[key] = [sum(col) for col in zip(*(m.get(key) or [] for m in per_rank))] if all(m.get(key) for m in per_rank) else []
+    out.update(spec_figures(out))  # ratios of the summed counters, not sums of ratios
     wall = out.get("wall_seconds") or 0.0
     if wall:
         out["generated_tokens_per_second"] = out.get("generated_tokens", 0) / wall
@@ -300,7 +304,7 @@ class ExpertParallelEngine:
         return (
             f"steps {m['steps']}, computed tokens {m['computed_tokens']} (prefill {m['prefill_tokens']}), generated "
             f"{m['generated_tokens']} ({m.get('generated_tokens_per_second', 0.0):.1f} tok/s), preemptions {m['preemptions']}"
-            + ep_line(m)
+            + spec_line(m) + ep_line(m)
         )
 
     def close(self) -> None:

@@ -10,6 +10,13 @@ has them), routed experts as ``I8``-packed FP4 pairs with 1 x 32 ``F8_E8M0``
 scales (or FP8), BF16 elsewhere, F32 hyper-connections, an ``mtp.0`` block, two
 shards and ``model.safetensors.index.json``.
 
+With ``draft="dspark"`` the draft is V4-Flash-DSpark's instead of the NextN
+block: ``dspark_*`` config fields (the stage count left to the ``mtp.{i}``
+prefixes, ``num_nextn_predict_layers`` 1 as the release has it) and stages
+``mtp.0..{S-1}`` under the release's names (``attn.kv_norm``, ``hc_head_fn``,
+``markov_head.markov_w1``, ...) in its dtypes: FP8 ``main_proj`` and stage
+linears, FP4 routed experts, BF16 norms and heads, F32 hyper-connections.
+
 The weights come from a seeded transformers model, so values are realistic and
 the codes and exponents vary block by block.
 """
@@ -29,10 +36,10 @@ from .checkpoints import BOS_ID, EOS_ID, VOCAB_SIZE, _randomise, save_byte_token
 
 #: published names of the linears the release stores in FP8 e4m3, 128 x 128 blocks
 FP8_WEIGHTS = re.compile(
-    r"^(mtp\.0|layers\.\d+)\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$"
+    r"^(mtp\.\d+|layers\.\d+)\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|e_proj|h_proj|main_proj)\.weight$"
 )
 #: published names of the routed experts' weights (FP4 e2m1 in 1 x 32 blocks, or FP8)
-EXPERT_WEIGHTS = re.compile(r"^(mtp\.0|layers\.\d+)\.ffn\.experts\.\d+\.w[123]\.weight$")
+EXPERT_WEIGHTS = re.compile(r"^(mtp\.\d+|layers\.\d+)\.ffn\.experts\.\d+\.w[123]\.weight$")
 #: published names the release keeps in float32
 F32_TENSORS = re.compile(r"((^|\.)hc_(head|attn|ffn)_(fn|base|scale)|\.attn_sink|\.ape|\.gate\.bias)$")
 
@@ -137,6 +144,44 @@ def _mtp_block(layer0: dict[str, torch.Tensor], d: int, gen: torch.Generator) ->
     return out
 
 
+#: the DSpark fields of the tiny release's config.json (the stage count comes from the ``mtp.{i}`` prefixes)
+DSPARK_FIELDS: dict[str, Any] = dict(
+    dspark_block_size=5,
+    dspark_noise_token_id=VOCAB_SIZE - 1,
+    dspark_target_layer_ids=[1, 2],
+    dspark_markov_rank=16,
+)
+DSPARK_STAGES = 3
+
+
+def _dspark_stages(tensors: dict[str, torch.Tensor], release: dict[str, Any], stages: int,
+                   gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """V4-Flash-DSpark's draft in the release's names: each stage is layer 0's attention (sliding window) and
+    layer 1's routed MoE, perturbed per stage; ``main_*`` on the first stage, the heads on the last."""
+    d, v, r = release["hidden_size"], release["vocab_size"], release["dspark_markov_rank"]
+    width = len(release["dspark_target_layer_ids"]) * d
+    attn = re.compile(r"^layers\.0\.(attn\.|attn_norm\.|hc_attn_)")
+    ffn = re.compile(r"^layers\.1\.(ffn\.|ffn_norm\.|hc_ffn_)")
+    out: dict[str, torch.Tensor] = {}
+    for i in range(stages):
+        for name, t in tensors.items():
+            if attn.match(name) or ffn.match(name):
+                shake = 1 + 0.05 * torch.randn(t.shape, generator=gen) if t.is_floating_point() else 1
+                out[f"mtp.{i}." + name.split(".", 2)[2]] = t * shake
+    last = f"mtp.{stages - 1}"
+    out.update({
+        "mtp.0.main_proj.weight": torch.randn(d, width, generator=gen) * width**-0.5,
+        "mtp.0.main_norm.weight": 1 + 0.1 * torch.randn(d, generator=gen),
+        f"{last}.norm.weight": 1 + 0.1 * torch.randn(d, generator=gen),
+        f"{last}.markov_head.markov_w1.weight": torch.randn(v, r, generator=gen) * 0.5,
+        f"{last}.markov_head.markov_w2.weight": torch.randn(v, r, generator=gen) * 0.5,
+        f"{last}.confidence_head.proj.weight": torch.randn(1, d + r, generator=gen) * (d + r) ** -0.5,
+    })
+    for part in ("fn", "base", "scale"):
+        out[f"{last}.hc_head_{part}"] = tensors[f"hc_head_{part}"] * (1 + 0.05 * torch.randn(tensors[f"hc_head_{part}"].shape, generator=gen))
+    return out
+
+
 def _stored(name: str, t: torch.Tensor, release: dict[str, Any]) -> dict[str, torch.Tensor]:
     """``name``'s tensors as the release stores them: codes plus ``.scale``, F32, or BF16."""
     quant = release.get("quantization_config")
@@ -155,14 +200,23 @@ def _stored(name: str, t: torch.Tensor, release: dict[str, Any]) -> dict[str, to
     return {name: t.to(torch.bfloat16).contiguous()}
 
 
-def make_published_checkpoint(tmp_path: Path, seed: int = 0, name: str = "published", **overrides: Any) -> Path:
+def make_published_checkpoint(
+    tmp_path: Path, seed: int = 0, name: str = "published", *, draft: str = "nextn", stages: int = DSPARK_STAGES, **overrides: Any
+) -> Path:
     """Write a tiny checkpoint in DeepSeek's published layout (see the module docstring); returns its directory.
 
-    ``overrides`` change ``TINY_RELEASE`` fields, e.g. ``expert_dtype="fp8"`` or
+    ``draft`` is ``"nextn"`` (an ``mtp.0`` NextN block) or ``"dspark"`` (``stages`` DSpark stages and the
+    ``dspark_*`` fields). ``overrides`` change ``TINY_RELEASE`` fields, e.g. ``expert_dtype="fp8"`` or
     ``quantization_config={"scale_fmt": "float"}`` (V4-Flash-Base).
     """
     from safetensors.torch import load_file, save_file
 
+    if draft not in ("nextn", "dspark"):
+        raise ValueError(f"draft {draft!r} is not 'nextn' or 'dspark'")
+    if draft == "dspark":
+        base = release_config()
+        ratios = base["compress_ratios"][: base["num_hidden_layers"]] + [0] * stages
+        overrides = {**DSPARK_FIELDS, "compress_ratios": ratios, **overrides}
     release = release_config(**overrides)
     out = Path(tmp_path) / name
     model = _hf_model(release, seed)
@@ -175,8 +229,12 @@ def make_published_checkpoint(tmp_path: Path, seed: int = 0, name: str = "publis
     (out / "saved").rmdir()
 
     tensors = {published_name(k): v for k, v in saved.items()}
-    layer0 = {k: v for k, v in tensors.items() if k.startswith("layers.0.")}
-    tensors.update(_mtp_block(layer0, release["hidden_size"], torch.Generator().manual_seed(seed + 2)))
+    gen = torch.Generator().manual_seed(seed + 2)
+    if draft == "dspark":
+        tensors.update(_dspark_stages(tensors, release, stages, gen))
+    else:
+        layer0 = {k: v for k, v in tensors.items() if k.startswith("layers.0.")}
+        tensors.update(_mtp_block(layer0, release["hidden_size"], gen))
     stored: dict[str, torch.Tensor] = {}
     for k, v in tensors.items():
         stored.update(_stored(k, v, release))

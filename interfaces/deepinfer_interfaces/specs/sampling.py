@@ -1,6 +1,8 @@
-"""Sampling cases: greedy, each filter alone and together, a mixed batch, an empty batch.
+"""Sampling cases: greedy, each filter alone and together, a mixed batch, an empty batch; the filtered
+distribution; rejection sampling of drafts (all accepted, none, a rejection in the middle, greedy rows,
+rows with fewer drafts than the widest).
 
-Compared exactly: given the same logits and the same exponential noise, every
+Token choices are compared exactly: given the same logits and the same exponential noise, every
 backend must pick the same tokens. Logits are spread wide so that no two
 candidates sit within rounding of each other.
 """
@@ -48,6 +50,72 @@ register(
         op="sample",
         cases=_cases,
         cast=("logits",),
+        dtypes=(torch.float32,),
+        exact=True,
+        fp64_oracle=False,
+    )
+)
+
+
+def _probs_cases() -> list[Case]:
+    g = seeded(3)
+    cases = []
+    for c in _cases():
+        kw = {k: v for k, v in c.kwargs.items() if k != "noise"}
+        cases.append(Case(c.name, kw))
+    return cases
+
+
+register(
+    OpSpec(
+        op="sampling_probs",
+        cases=_probs_cases,
+        cast=("logits",),
+        dtypes=(torch.float32,),
+    )
+)
+
+
+def _rejection_batch(g: torch.Generator, n: int, k: int, v: int, drafts: list[int], greedy: list[bool], agree: float) -> dict:
+    """Target and draft distributions over ``v`` tokens; drafts drawn from the draft's; a share ``agree``
+    of the draft's rows equal the target's (every draft token then survives)."""
+    def dist(shape):
+        logits = torch.randperm(int(torch.tensor(shape).prod()), generator=g).float().view(*shape) / shape[-1] * 0.7
+        return torch.softmax(logits, dim=-1)
+
+    p = dist((n, k + 1, v))
+    q = dist((n, k, v))
+    same = torch.rand(n, k, generator=g) < agree
+    q = torch.where(same[..., None], p[:, :k], q)
+    for i, gr in enumerate(greedy):
+        if gr:
+            p[i] = torch.zeros_like(p[i]).scatter_(-1, p[i].argmax(-1, keepdim=True), 1.0)
+    tokens = torch.multinomial(q.reshape(-1, v), 1, generator=g).view(n, k)
+    for i, gr in enumerate(greedy):
+        if gr:  # a greedy draft: its argmax, with a one-hot distribution
+            tokens[i] = torch.where(torch.rand(k, generator=g) < 0.7, p[i, :k].argmax(-1), tokens[i])
+            q[i] = torch.zeros_like(q[i]).scatter_(-1, tokens[i][:, None], 1.0)
+    return dict(
+        target_probs=p, draft_probs=q, draft_tokens=tokens, num_drafts=torch.tensor(drafts, dtype=torch.int64),
+        uniform=torch.rand(n, k, generator=g), noise=torch.empty(n, k + 1, v).exponential_(generator=g),
+    )
+
+
+def _rejection_cases() -> list[Case]:
+    g = seeded(4)
+    return [
+        Case("all_accepted", _rejection_batch(g, 3, 4, 40, [4, 4, 4], [False] * 3, agree=1.0)),
+        Case("mostly_rejected", _rejection_batch(g, 4, 5, 60, [5, 5, 5, 5], [False] * 4, agree=0.0)),
+        Case("mixed_lengths_and_greedy", _rejection_batch(g, 5, 5, 77, [5, 0, 3, 1, 5], [True, False, True, False, False], agree=0.5)),
+        Case("empty_batch", _rejection_batch(g, 0, 3, 16, [], [], agree=0.5)),
+    ]
+
+
+register(
+    OpSpec(
+        op="rejection_sample",
+        cases=_rejection_cases,
+        cast=("target_probs", "draft_probs"),
         dtypes=(torch.float32,),
         exact=True,
         fp64_oracle=False,

@@ -1,0 +1,179 @@
+"""DSpark speculative decoding in the engine: lossless against plain decoding (greedy token for token,
+sampled in distribution), admission that verifies less on a busy device, and the metrics it reports."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams, StructuredOutputsParams
+from deepinfer.engine import BUNDLED_MODEL
+from deepinfer.errors import ConfigError
+from deepinfer.model.cache_spec import CacheGeometry, block_size_for
+from deepinfer.model.config import ModelConfig
+from deepinfer.spec_decode import StepCostProfile, admit
+from deepinfer_interfaces import Kernels
+from tests.helpers.checkpoints import make_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SYSTEM = "".join(
+    f"def {name}(path):\n    \"\"\"Return the {what} of the given path.\"\"\"\n    return {name}_impl(path)\n\n"
+    for name, what in [("read_file", "file object"), ("size", "size in bytes"), ("owner", "owner name"),
+                       ("mtime", "modification time"), ("lines", "number of lines"), ("kind", "file type")]
+)  # long enough that a prefix hit beats recomputing the draft's 128-token context
+STEMS = ["def ", "class ", "import ", "Return the ", "    if ", "def get_", "def set_", "    return ", "The ", "    \"\"\""]
+
+
+def _prompts() -> list[str]:
+    """Fifty prompts: half share a long prefix (prefix-cache hits), half stand alone."""
+    shared = [SYSTEM + stem + word for stem, word in zip(STEMS * 3, ["name", "value", "path", "item", "key"] * 6)][:25]
+    alone = [stem + word + "(" for stem, word in zip(STEMS * 3, ["read", "write", "open", "close", "walk"] * 6)][:25]
+    return shared + alone
+
+
+def _budget() -> int:
+    """Cache room for a few sequences only: the batch preempts."""
+    config = ModelConfig.from_pretrained(BUNDLED_MODEL)
+    g = CacheGeometry.build(config, block_size_for(config, 16), 48, 320)
+    return 6 * g.bytes_per_slot(torch.float32) + 60 * g.bytes_per_block(torch.float32)
+
+
+def _params() -> list[SamplingParams]:
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + (i % 7) * 4, logprobs=1 if i % 5 == 0 else None) for i in range(50)]
+    params[3] = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex="[a-z_]{4,20}\\("))
+    params[31] = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(
+        json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}))
+    return params
+
+
+def _run(**kw):
+    llm = LLM(backend="cpu", max_num_seqs=6, max_model_len=320, max_prefill_chunk=48, kv_cache_memory=_budget(), **kw)
+    outs = llm.generate(_prompts(), _params())
+    assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
+    return outs, llm.get_metrics()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run(speculative_method=None)
+
+
+@pytest.mark.parametrize("policy,overlap", [("all", False), ("threshold", False), ("adaptive", True)])
+def test_greedy_outputs_with_speculation_equal_plain_decoding(plain, policy, overlap):
+    want, plain_metrics = plain
+    got, m = _run(speculative_policy=policy, overlap_scheduling=overlap)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids and g.outputs[0].text == w.outputs[0].text
+        if w.outputs[0].logprobs is not None:
+            for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    # the run really speculated, hit the prefix cache and preempted
+    assert m["spec_verifications"] > 50 and m["spec_mean_accepted_length"] > 1.5, m
+    assert m["cached_tokens"] > 0 and m["preemptions"] > 0 and plain_metrics["spec_verifications"] == 0
+    assert m["steps"] < plain_metrics["steps"]
+    assert len(m["spec_acceptance_per_position"]) == 5 and 0 < m["spec_draft_share"] < 1
+    if policy == "all":
+        assert m["spec_verified_tokens_per_step"] > 4.0
+
+
+def test_structured_requests_verify_drafts_their_grammar_allows():
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex="[a-z ]{10,40}"))
+    prompts = ["Return the number of", "class Stack:"]
+    want = LLM(backend="cpu", speculative_method=None).generate(prompts, params)
+    llm = LLM(backend="cpu", speculative_policy="all")
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert all(c.isalpha() or c == " " for o in got for c in o.outputs[0].text)
+    assert llm.get_metrics()["spec_verifications"] > 0
+
+
+def test_rejection_sampling_emits_the_target_distribution_whatever_the_draft():
+    # one position: p and a very different q; the emitted token must follow p
+    k = Kernels()
+    g = torch.Generator().manual_seed(0)
+    n, v = 40000, 6
+    p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03])
+    q = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)[:, None]
+    target = p.expand(n, 2, v).clone()
+    accepted, tokens = k.rejection_sample(
+        target, q.expand(n, 1, v).clone(), drafts, torch.ones(n, dtype=torch.int64),
+        torch.rand(n, 1, generator=g), torch.empty(n, 2, v).exponential_(generator=g),
+    )
+    first = torch.bincount(tokens[:, 0], minlength=v).double()
+    chi2 = float(((first - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 20.5, (chi2, first / n)  # 5 degrees of freedom: p > 0.001
+    # the acceptance rate is sum(min(p, q)) = 0.05 + 0.05 + 0.1 + 0.1 + 0.07 + 0.03
+    assert abs(float(accepted.double().mean()) - 0.40) < 0.01
+    # a bonus token follows an accepted draft, drawn from p at the next position
+    bonus = torch.bincount(tokens[accepted == 1, 1], minlength=v).double()
+    m = float(bonus.sum())
+    assert float(((bonus - m * p) ** 2 / (m * p)).sum()) < 20.5
+
+
+def _first_two(speculative: bool) -> list[tuple[int, int]]:
+    kw = dict(speculative_policy="all") if speculative else dict(speculative_method=None)
+    llm = LLM(backend="cpu", max_num_seqs=256, max_model_len=64, **kw)
+    # three tokens: the second comes from verifying a draft (a step verifies none when only one token remains)
+    # a prompt whose continuations spread over many pairs, at a temperature and top-k that keep ~20 of them frequent
+    params = [SamplingParams(n=250, temperature=0.5, top_k=40, max_tokens=3, ignore_eos=True, seed=1000 * s) for s in range(8)]
+    outs = llm.generate(["def get_"] * 8, params)
+    if speculative:
+        assert llm.get_metrics()["spec_verifications"] >= 1500
+    return [tuple(c.token_ids[:2]) for o in outs for c in o.outputs]
+
+
+def test_speculative_sampling_keeps_the_distribution_of_the_first_two_tokens():
+    plain, spec = _first_two(False), _first_two(True)
+    assert len(plain) == len(spec) == 2000
+    pooled: dict[tuple[int, int], int] = {}
+    for pair in plain + spec:
+        pooled[pair] = pooled.get(pair, 0) + 1
+    bins = [pair for pair, c in sorted(pooled.items(), key=lambda kv: -kv[1]) if c >= 20]
+    index = {pair: i for i, pair in enumerate(bins)}
+
+    def counts(pairs):
+        c = [0] * (len(bins) + 1)
+        for pair in pairs:
+            c[index.get(pair, len(bins))] += 1
+        return c
+
+    a, b = counts(plain), counts(spec)
+    chi2 = sum((x - y) ** 2 / (x + y) for x, y in zip(a, b) if x + y)  # two samples of equal size
+    dof = len(bins)
+    # significance 0.001: the Wilson–Hilferty approximation of the chi-square quantile
+    z = 3.09
+    critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert dof >= 8 and chi2 < critical, (chi2, critical, dof)
+
+
+def test_adaptive_admission_verifies_fewer_drafts_as_the_batch_grows():
+    # a device whose step cost is flat up to 64 tokens (memory-bound), then grows in proportion (compute-bound)
+    profile = StepCostProfile.monotone([1, 16, 64, 128, 256, 512], [1.0, 1.0, 1.0, 2.0, 4.0, 8.0])
+    survival = [0.9, 0.75, 0.6, 0.45, 0.3]
+    per_request = []
+    for batch in (1, 4, 8, 16, 32, 64, 128):
+        rows = [survival] * batch
+        adaptive = admit(rows, "adaptive", profile=profile)
+        everything = admit(rows, "all")
+        assert all(a <= e for a, e in zip(adaptive, everything)) and everything == [5] * batch
+        per_request.append(sum(adaptive) / batch)
+    # idle: every draft; the free tokens shared out as the batch grows; compute-bound: none
+    assert per_request == [5, 5, 5, 3, 1, 0, 0], per_request
+    # threshold keeps the positions whose survival reaches it
+    assert admit([survival], "threshold", threshold=0.5) == [3]
+    # the monotone profile never falls
+    noisy = StepCostProfile.monotone([4, 1, 2, 8], [2.0, 1.0, 3.0, 2.5])
+    assert noisy.seconds == (1.0, 3.0, 3.0, 3.0) and noisy.cost(100) >= noisy.cost(8)
+
+
+def test_speculation_is_on_by_default_with_a_draft_and_refused_without_one(tmp_path):
+    assert LLM(backend="cpu").engine.runner.proposer is not None
+    assert LLM(backend="cpu", speculative_method=None).engine.runner.proposer is None
+    ckpt = make_tiny_checkpoint(tmp_path, "mixed")
+    assert LLM(model=str(ckpt), backend="cpu", max_model_len=128, kv_cache_memory=16 << 20).engine.runner.proposer is None
+    with pytest.raises(ConfigError, match="needs a checkpoint with DSpark draft stages.*--speculative none"):
+        LLM(model=str(ckpt), backend="cpu", max_model_len=128, kv_cache_memory=16 << 20, speculative_method="dspark")
