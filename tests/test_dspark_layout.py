@@ -126,6 +126,7 @@ def test_stage_count_and_window_spellings(target):
         (dict(dspark_confidence_temperatures=[1.0, 1.0, 0.0, 1.0, 1.0]), "dspark_confidence_temperatures"),
         (dict(dspark_num_stages=3, n_mtp_layers=2), "stage counts"),
         (dict(dspark_target_layer_ids=[7]), "dspark_target_layer_ids"),
+        (dict(n_mtp_layers=0), "stage count"),
     ],
 )
 def test_bad_fields_are_refused_by_name(target, fields, named):
@@ -305,6 +306,12 @@ def test_tensor_of_no_draft_parameter_is_named(published, tmp_path):
     _rewrite(published, tmp_path / "broken", add_bias)
     msg = _load_error(tmp_path / "broken")
     assert "'mtp.2.confidence_head.proj.bias'" in msg
+
+
+def test_a_nextn_block_is_not_a_dspark_draft(tmp_path):
+    nextn = make_published_checkpoint(tmp_path, draft="nextn", **DSPARK_FIELDS)
+    msg = _load_error(nextn)
+    assert "lacks DSpark tensors" in msg and "mtp.0." in msg
 
 
 def test_fp8_weight_without_its_scale_is_named(published, tmp_path):

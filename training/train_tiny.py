@@ -5,7 +5,7 @@ sources, seeds are fixed, each phase has a fixed thread count (the target one,
 the draft two), and torch runs in deterministic mode. The result is written
 with ``save_pretrained`` (upstream tensor names) beside a byte-level BPE tokenizer.
 
-    python -m training.train_tiny                 # target, then DSpark draft: about 30 minutes on 2 cores
+    python -m training.train_tiny                 # target, then DSpark draft: about 40 minutes on 2 cores
     python -m training.train_tiny --dspark-only   # only phase 2, on the target already in --out
     python -m training.train_tiny --smoke --out /tmp/micro   # a micro model in seconds
 """

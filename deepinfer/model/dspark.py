@@ -79,7 +79,7 @@ class DSparkConfig(BaseModel):
     dspark_noise_token_id: int
     dspark_markov_rank: int
     dspark_context_window: int = DEFAULT_CONTEXT_WINDOW
-    #: per-position temperatures of the confidence logits (None: all 1), fitted on held-out text
+    #: per-position temperatures of the confidence logits (None: all 1), fitted on text the draft did not train on
     dspark_confidence_temperatures: list[float] | None = None
 
     @classmethod
@@ -107,8 +107,8 @@ class DSparkConfig(BaseModel):
             )
         if not 0 <= self.dspark_noise_token_id < model.vocab_size:
             raise ConfigError(f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary [0, {model.vocab_size})")
-        sizes = (self.dspark_block_size, self.dspark_markov_rank, self.dspark_context_window, self.dspark_num_stages or 1)
-        if min(sizes) < 1:
+        stages = 1 if self.dspark_num_stages is None else self.dspark_num_stages
+        if min(self.dspark_block_size, self.dspark_markov_rank, self.dspark_context_window, stages) < 1:
             raise ConfigError("dspark_block_size, the stage count, dspark_markov_rank and the context window must be positive")
         temps = self.dspark_confidence_temperatures
         if temps is not None and (len(temps) != self.dspark_block_size or min(temps) <= 0):
@@ -257,8 +257,8 @@ class DSparkDraft(ParamTree):
         cfg = DSparkConfig.from_hf(raw_config, target.config, stored)
         if cfg is None:
             raise ConfigError("config.json has no dspark_* fields, so the checkpoint carries no DSpark draft; run without speculative decoding")
-        if not stored:
-            raise CheckpointError("config.json declares a DSpark draft but the checkpoint has no mtp.* tensors; use a checkpoint with its draft stages")
+        if cfg.dspark_num_stages == 0:
+            raise CheckpointError("config.json declares a DSpark draft but the checkpoint has no mtp.0.* stage tensors; use a checkpoint with its draft stages")
         mode = quantization or ("auto" if target.plan.roles else "dequantize")
         if mode not in ("auto", "dequantize"):
             raise ConfigError(f"quantization {mode!r} is not one of 'auto', 'dequantize'")
