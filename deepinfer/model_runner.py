@@ -343,13 +343,15 @@ class ModelRunner:
             seqs = [sampled[i] for i in plain]
             tokens = self._draw(step, plain, seqs, logits, rows)
             last[torch.tensor(plain, device=last.device)] = tokens
-            self._add_tokens(out, seqs, logits, [[rows[s.fork.source_id if s.fork else s.request_id][-1]] for s in seqs], tokens[:, None])
+            self._add_tokens(out, seqs, logits, [[rows[s.fork.source_id if s.fork else s.request_id][-1]] for s in seqs],
+                             [[t] for t in tokens.tolist()])
         if verify:
             seqs = [sampled[i] for i in verify]
             accepted, tokens, picked_rows = self._verify(step, verify, seqs, logits, rows)
             last[torch.tensor(verify, device=last.device)] = tokens.gather(1, accepted[:, None])[:, 0]
-            counts = accepted.tolist()
-            self._add_tokens(out, seqs, logits, [r[: a + 1] for r, a in zip(picked_rows, counts)], tokens)
+            # one read-back: a row's emitted tokens are its entries >= 0 (the rest are -1)
+            emitted = [[t for t in row if t >= 0] for row in tokens.tolist()]
+            self._add_tokens(out, seqs, logits, [r[: len(e)] for r, e in zip(picked_rows, emitted)], emitted)
         self._last_tokens = last
         return out, last
 
@@ -391,25 +393,27 @@ class ModelRunner:
 
     def _add_tokens(
         self, out: dict[str, list[SampledToken]], seqs: list[ScheduledSequence], logits: torch.Tensor,
-        token_rows: list[list[int]], tokens: torch.Tensor,
+        token_rows: list[list[int]], tokens: list[list[int]],
     ) -> None:
-        """``out[request] = its new tokens`` (``tokens[i, j]`` from logits row ``token_rows[i][j]``), each with
-        the top log-probabilities its request asks for."""
+        """``out[request] = its new tokens`` (``tokens[i][j]``, read back, from logits row ``token_rows[i][j]``),
+        each with the top log-probabilities its request asks for."""
         ks = [s.sample.logprobs for s in seqs if s.sample.logprobs is not None]
-        flat_rows = [r for rs in token_rows for r in rs]
-        chosen = torch.cat([tokens[i, : len(rs)] for i, rs in enumerate(token_rows)])
-        lps = top_logprobs(logits[torch.tensor(flat_rows, device=logits.device)], max(ks), chosen) if ks else None
-        chosen_list = chosen.tolist()
+        flat = [t for ts in tokens for t in ts]
+        lps = None
+        if ks:
+            dev = logits.device
+            rows = torch.tensor([r for rs in token_rows for r in rs], device=dev)
+            lps = top_logprobs(logits[rows], max(ks), torch.tensor(flat, dtype=torch.int64, device=dev))
         at = 0
-        for s, rs in zip(seqs, token_rows):
+        for s, ts in zip(seqs, tokens):
             new = []
-            for j in range(len(rs)):
-                tok, row = chosen_list[at + j], None
+            for j, tok in enumerate(ts):
+                row = None
                 if lps is not None and s.sample.logprobs is not None:
                     row = {t: v for t, v in lps[at + j].items() if v[1] <= s.sample.logprobs or t == tok}
                 new.append(SampledToken(tok, row))
             out[s.request_id] = new
-            at += len(rs)
+            at += len(ts)
 
     def _graph_for(self, decode: bool, verify: bool, batch: Batch, capacity: int | None) -> DecodeGraph | None:
         """The graph this step replays: the smallest size holding the batch (a verify graph when sequences

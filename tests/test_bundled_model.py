@@ -127,7 +127,7 @@ def _draft_after(target: DeepseekV4Model, draft: DSparkDraft, seqs: list[list[in
     for slot, seq in zip(slots, seqs):
         pos = torch.arange(len(seq) - 1)  # the last token is the anchor: its hidden state is not context yet
         ctx = draft.context(hidden[start : start + len(seq) - 1])
-        ring.write(slot, pos, ctx, draft.context_kv(ctx, pos))
+        ring.write(slot, pos, draft.context_kv(ctx, pos))
         start += len(seq)
     anchor_pos = torch.tensor([len(s) - 1 for s in seqs])
     rows = ring.rows(slots, anchor_pos)

@@ -83,7 +83,7 @@ def _propose(draft: DSparkDraft, seed: int = 0, temperature: float = 0.0, noise_
         hidden = torch.randn(CONTEXT, layers, d, generator=gen)
         ctx = draft.context(hidden)
         pos = torch.arange(CONTEXT)
-        ring.write(slot, pos, ctx, draft.context_kv(ctx, pos))
+        ring.write(slot, pos, draft.context_kv(ctx, pos))
     anchor_pos = torch.full((2,), CONTEXT)
     anchors = torch.randint(3, 200, (2,), generator=gen)
     noise = None
@@ -246,7 +246,7 @@ def test_confidence_reads_the_previous_token_and_never_the_drafted_one(draft):
     layers, d = len(draft.config.dspark_target_layer_ids), draft.model_config.hidden_size
     for slot in range(2):
         ctx = draft.context(torch.randn(CONTEXT, layers, d, generator=gen))
-        ring.write(slot, torch.arange(CONTEXT), ctx, draft.context_kv(ctx, torch.arange(CONTEXT)))
+        ring.write(slot, torch.arange(CONTEXT), draft.context_kv(ctx, torch.arange(CONTEXT)))
     anchor_pos = torch.full((2,), CONTEXT)
     h = draft.hidden(anchors, anchor_pos, ring.kv, ring.rows([0, 1], anchor_pos))
     prev = torch.cat([anchors[:, None], sampled.tokens[:, :-1]], dim=1)

@@ -451,8 +451,7 @@ class DSparkDraft(ParamTree):
 
 
 class DSparkRing:
-    """Each sequence slot's last ``W`` context rows per stage, written at ``position mod W``,
-    and its newest context vector."""
+    """Each sequence slot's last ``W`` context rows per stage, written at ``position mod W``."""
 
     def __init__(self, draft: DSparkDraft, num_slots: int) -> None:
         mc, window = draft.model_config, draft.config.dspark_context_window
@@ -460,12 +459,10 @@ class DSparkRing:
         self.window = window
         self.kv = torch.zeros(len(draft.stages), num_slots * window, mc.head_dim, dtype=draft.dtype, device=dev)
         self.positions = torch.full((num_slots * window,), -1, dtype=torch.long, device=dev)
-        self.ctx = torch.zeros(num_slots, mc.hidden_size, dtype=draft.dtype, device=dev)
 
-    def write(self, slot: int, positions: torch.Tensor, ctx: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store one sequence's committed ``positions`` ``[T]`` (ascending): their context vectors ``[T, D]``
-        and every stage's rows ``kv`` ``[S, T, head_dim]`` (the last ``W`` are kept)."""
-        self.ctx[slot] = ctx[-1].to(self.ctx.dtype)
+    def write(self, slot: int, positions: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store one sequence's committed ``positions`` ``[T]`` (ascending): every stage's rows
+        ``kv`` ``[S, T, head_dim]`` (the last ``W`` are kept)."""
         positions, kv = positions[-self.window :], kv[:, -self.window :]
         rows = slot * self.window + positions % self.window
         self.kv[:, rows] = kv.to(self.kv.dtype)
@@ -475,18 +472,12 @@ class DSparkRing:
         """Forget a slot's context (a new sequence takes it, or its state is recomputed)."""
         w = self.window
         self.positions[slot * w : (slot + 1) * w] = -1
-        self.ctx[slot] = 0
 
     def copy(self, src: int, dst: int) -> None:
         """Give slot ``dst`` the context of slot ``src`` (a parallel-sampling sibling starting as its copy)."""
         w = self.window
         self.kv[:, dst * w : (dst + 1) * w] = self.kv[:, src * w : (src + 1) * w]
         self.positions[dst * w : (dst + 1) * w] = self.positions[src * w : (src + 1) * w]
-        self.ctx[dst] = self.ctx[src]
-
-    def last_ctx(self, slots: list[int]) -> torch.Tensor:
-        """``[N, D]`` newest context vector of each slot."""
-        return self.ctx[torch.tensor(slots, device=self.ctx.device)]
 
     def rows(self, slots: list[int], anchor_pos: torch.Tensor) -> torch.Tensor:
         """``[N, W]`` ring rows each anchor may see (context positions in ``[p − W, p)``), ``-1`` elsewhere."""

@@ -86,7 +86,7 @@ class DSparkProposer:
         at = 0
         for s, skip in kept:
             n = s.count - skip
-            self.ring.write(s.slot, pos_t[at : at + n], ctx[at : at + n], kv[:, at : at + n])
+            self.ring.write(s.slot, pos_t[at : at + n], kv[:, at : at + n])
             at += n
 
     def propose(self, anchors: list[Anchor], anchor_ids: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
