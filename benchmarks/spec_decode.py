@@ -4,7 +4,8 @@ Part 1 runs the bundled model (CPU, fp32: two cores bound every figure) at 1, 8,
 concurrent requests, each greedy for ``--max-tokens`` tokens, with speculation off, verifying
 every drafted token (``all``) and with the ``adaptive`` policy: output tokens/s, per-request
 tokens/s, mean accepted length (tokens a verification emits per request), drafted tokens
-verified per request and step, and the draft's share of forward time.
+verified per request and step, and the draft's share of forward time; ``--overlap`` runs it with
+overlap scheduling (speculating records chained to the step in flight).
 
 Part 2 replays the admission policies on a step-cost profile of V4-Flash decode on a B200
 (``benchmarks/ep_plan.py``'s roofline: weight, KV and expert bytes over HBM bandwidth, FLOPs
@@ -39,8 +40,8 @@ MODES = {"none": dict(speculative_method=None), "all": dict(speculative_policy="
 SURVIVAL = (0.815, 0.642, 0.531, 0.450, 0.393)
 
 
-def measure(concurrency: int, mode: str, max_tokens: int) -> dict:
-    llm = LLM(backend="cpu", max_num_seqs=max(concurrency, 1), **MODES[mode])
+def measure(concurrency: int, mode: str, max_tokens: int, overlap: bool) -> dict:
+    llm = LLM(backend="cpu", max_num_seqs=max(concurrency, 1), overlap_scheduling=overlap, **MODES[mode])
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
@@ -88,16 +89,17 @@ def main() -> None:
     ap.add_argument("--skip-measure", action="store_true", help="only replay the policies on the B200 profile")
     ap.add_argument("--ep", type=int, default=64, help="EP degree of the replayed V4-Flash decode deployment")
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--overlap", action="store_true", help="part 1 with overlap scheduling (speculating records chain)")
     add_json_flag(ap)
     args = ap.parse_args()
     figures: dict = {"measured": [], "replay": {}}
     survival = SURVIVAL
     if not args.skip_measure:
-        print("bundled model on this CPU (2 cores, fp32): greedy, ignore_eos, tokens/s per mode")
+        print(f"bundled model on this CPU (2 cores, fp32): greedy, ignore_eos, tokens/s per mode, overlap {'on' if args.overlap else 'off'}")
         print(f"{'conc':>5} | {'none tok/s':>10} {'all tok/s':>10} {'adapt tok/s':>11} | {'all x':>6} {'adapt x':>7} | "
               f"{'per-req none':>12} {'all':>7} {'adapt':>7} | {'acc len all':>11} {'adapt':>6} | {'verified all':>12} {'adapt':>6} | draft share")
         for c in (int(x) for x in args.concurrency.split(",")):
-            rows = {mode: measure(c, mode, args.max_tokens) for mode in MODES}
+            rows = {mode: measure(c, mode, args.max_tokens, args.overlap) for mode in MODES}
             figures["measured"].extend(rows.values())
             n, a, d = rows["none"], rows["all"], rows["adaptive"]
             print(f"{c:>5} | {n['tokens_per_s']:>10.1f} {a['tokens_per_s']:>10.1f} {d['tokens_per_s']:>11.1f} | "
@@ -106,13 +108,8 @@ def main() -> None:
                   f"{a['accepted_length']:>11.2f} {d['accepted_length']:>6.2f} | {a['verified_per_step']:>12.2f} {d['verified_per_step']:>6.2f} | "
                   f"{a['draft_share']:.1%} / {d['draft_share']:.1%}")
         acc = [r for r in figures["measured"] if r["mode"] == "all" and r["acceptance_per_position"]]
-        if acc:  # survival of position j is the product of the acceptance rates up to j
-            rates = acc[-1]["acceptance_per_position"]
-            prod, measured = 1.0, []
-            for r in rates:
-                prod *= r
-                measured.append(prod)
-            survival = tuple(measured)
+        if acc:  # a position counts as accepted when it and every draft before it are: its rate is its survival
+            survival = tuple(acc[-1]["acceptance_per_position"])
     profile = b200_profile(args.ep, args.context, 4096)
     figures["replay"] = dict(ep=args.ep, context=args.context, survival=list(survival), rows=[])
     print(f"\nV4-Flash decode on B200, EP {args.ep}, context {args.context} (ep_plan roofline), survival per position "

@@ -11,6 +11,12 @@ owns static input buffers (a host staging buffer and its device copy); a step
 fills the host buffer, copies it in one transfer and replays. Buckets double
 from 256 tokens to ``max_model_len``, so padding at most doubles the entry
 lists a step reads.
+
+Under expert parallelism every rank captures the same graphs in the same order,
+each with its token count as the dispatch capacity, and each step every rank
+replays the graph of one agreed size and kind (``ExpertParallel.begin_step``,
+then ``DecodeGraphs.get``): a rank that only decodes replays a verify graph
+when another verifies.
 """
 
 from __future__ import annotations
@@ -116,13 +122,18 @@ class DecodeGraphs:
         """The graph a step of ``num_seqs`` sequences reaching ``context_len`` tokens replays, if any: a decode
         graph when it brings one token per sequence (``num_tokens`` None or ``num_seqs``), else a verify graph."""
         i = bisect.bisect_left(self.sizes, num_seqs)
-        j = bisect.bisect_left(self.buckets, context_len)
-        if i == len(self.sizes) or j == len(self.buckets):
+        if i == len(self.sizes):
             return None
         per = 1 if num_tokens is None or num_tokens == num_seqs else 1 + self.drafts
         if num_tokens is not None and num_tokens > self.sizes[i] * per:
             return None
-        return self.graphs.get((self.sizes[i], per, self.buckets[j]))
+        return self.get(self.sizes[i], per, context_len)
+
+    def get(self, size: int, tokens_per_seq: int, context_len: int) -> DecodeGraph | None:
+        """The graph of exactly ``size`` sequences of ``tokens_per_seq`` tokens whose context bucket is the
+        smallest reaching ``context_len``, if captured (under expert parallelism the ranks agreed on its size)."""
+        j = bisect.bisect_left(self.buckets, context_len)
+        return self.graphs.get((size, tokens_per_seq, self.buckets[j])) if j < len(self.buckets) else None
 
     def capture(self, progress: Callable[[int, int], None] | None = None) -> CaptureReport:
         """Capture every (size, bucket), largest first so smaller graphs reuse the pool's memory.

@@ -33,7 +33,7 @@ from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
 from .spec_decode.speculation import Speculation
 from .stats import EngineStats
-from .step import GrammarGate, Step, StepResult
+from .step import GrammarGate, ScheduledSequence, Step, StepResult
 from .step_executor import StepExecutor
 from .structured_output import GrammarCompilerCache, allocate_bitmask
 
@@ -95,9 +95,13 @@ class Engine:
             # the draft's context is per-request state too: after a prefix hit it is rebuilt from the replayed
             # tokens (V4-Flash replays its 128-token window, as long as the draft's context window)
             self.speculation = Speculation(config, proposer.gamma, self.runner.step_cost_profile, self.stats)
+        overlap = config.overlap_scheduling
+        self.overlap = self.backend.device.capabilities().asynchronous if overlap is None else overlap
+        self.overlap = self.overlap and sharding is None  # lockstep: one forward per step, in order
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start, self.stats,
-            self.speculation.admit if self.speculation is not None else None,
+            self.speculation.admit if self.speculation is not None else None, chain=self.overlap,
+            prior=self.speculation.prior if self.speculation is not None else None,
         )
         #: user request id -> its first completion (which lists every completion in ``siblings``)
         self.requests: dict[str, Request] = {}
@@ -105,9 +109,6 @@ class Engine:
         self._live: dict[str, Request] = {}
         self._ids = itertools.count()
         self._grammar_cache: GrammarCompilerCache | None = None
-        overlap = config.overlap_scheduling
-        self.overlap = self.backend.device.capabilities().asynchronous if overlap is None else overlap
-        self.overlap = self.overlap and sharding is None  # lockstep: one forward per step, in order
         self.executor = StepExecutor(self.runner, threaded=self.overlap)
         self._inflight: deque[tuple[Step, Future]] = deque()
 
@@ -229,22 +230,44 @@ class Engine:
         return step, list(out.preempted)
 
     def _fill_grammar(self, step: Step) -> None:
-        """Write the constrained sequences' masks; their grammars have seen every earlier token."""
+        """Write the constrained sequences' masks; their grammars have seen every earlier token.
+
+        A verifying sequence has a row before each of its drafts: the matcher steps over the drafts and
+        is rolled back after (verification decides). A draft the grammar refuses (a chained record's
+        drafts were not known when it was scheduled) is excluded by its own row, so verification rejects
+        it there; the rows after it are never read and stay all-allowed."""
         gate = step.grammar
         if gate is None or gate.ready.is_set():
             return
         sampled = step.sampled
+        stepped: dict[int, int] = {}
+        refused: set[int] = set()
         for row, (i, j) in enumerate(gate.rows):
+            if i in refused:
+                continue
             s = sampled[i]
-            grammar = self._live[s.request_id].grammar
-            grammar.fill_bitmask(gate.bitmask, row)
-            k = len(s.draft_token_ids)
-            if j < k:  # the next row is the position after this draft: step the matcher over it
-                if not grammar.accept(s.draft_token_ids[j]):
-                    raise AssertionError("a draft the grammar validated at scheduling was refused")
-            elif k:
-                grammar.rollback(k)  # the drafts are only provisional: verification decides
+            req = self._live[s.request_id]
+            req.grammar.fill_bitmask(gate.bitmask, row)
+            drafts = self._draft_tokens(s, req)
+            if j < len(drafts):  # the next row is the position after this draft: step the matcher over it
+                if req.grammar.accept(drafts[j]):
+                    stepped[i] = stepped.get(i, 0) + 1
+                else:
+                    refused.add(i)
+        for i, n in stepped.items():
+            self._live[sampled[i].request_id].grammar.rollback(n)
         gate.ready.set()
+
+    @staticmethod
+    def _draft_tokens(s: ScheduledSequence, req: Request) -> list[int]:
+        """The drafts ``s`` verifies: its own, or for a chained record those its previous step made (the
+        request's pending draft once that step is applied; none when it drafted nothing)."""
+        if not s.chained:
+            return s.draft_token_ids
+        d = req.draft
+        if d is None or d.anchor_position != req.num_known_tokens - 1:
+            return []
+        return list(d.tokens[: len(s.draft_token_ids)])
 
     def step(self) -> list[Request]:
         """Advance by one step; return the requests (first completions) that gained tokens, finished or were preempted.
@@ -267,9 +290,7 @@ class Engine:
                 changed.append(req)
             if self.sharding is not None:
                 self.runner.execute_idle()  # the other ranks' tokens still reach this rank's experts
-        # a step that drafts or verifies settles before the next is scheduled: the positions of a
-        # speculating request's next tokens depend on how many of its drafts survive
-        keep = 1 if (self.overlap and step is not None and not step.speculative) else 0
+        keep = 1 if (self.overlap and step is not None) else 0
         while len(self._inflight) > keep:
             done, fut = self._inflight.popleft()
             t1 = time.perf_counter()
@@ -298,9 +319,11 @@ class Engine:
             if s.sample is not None:
                 req.num_pending -= 1
                 new = result.tokens[s.request_id]
-                if s.draft_token_ids and self.speculation is not None:
-                    self.speculation.record(len(s.draft_token_ids), len(new) - 1)
+                if s.draft_token_ids:
+                    self.scheduler.settle(req, len(s.draft_token_ids) - (len(new) - 1))
                 if not req.finished:  # else it stopped a step ago: this token was computed ahead and is dropped
+                    if s.draft_token_ids and self.speculation is not None:
+                        self.speculation.record(result.verified.get(s.request_id, 0), len(new) - 1)
                     for tok in new:
                         if tok.logprobs is not None:
                             req.logprobs.extend(to_logprobs([tok.logprobs], self._decode_one))
@@ -309,9 +332,8 @@ class Engine:
                         if req.finished:  # a stop inside the accepted drafts: what follows is dropped
                             break
                     changed.append(req)
-                    if s.draft_token_ids and not req.finished:
-                        self.scheduler.settle(req, s.start, len(new))
-                    req.draft = result.drafts.get(s.request_id)
+                    if req.status is RequestStatus.RUNNING:
+                        req.draft = result.drafts.get(s.request_id)
                 if req.finished and not req.num_pending and req.siblings[0].request_id not in self.requests:
                     self._live.pop(req.request_id, None)
             if not req.finished:

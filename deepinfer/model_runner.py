@@ -29,13 +29,13 @@ from .model.cache import ModelCache
 from .model.cache_spec import CacheGeometry, block_size_for
 from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
 from .model.model import DeepseekV4Model
-from .parallel.expert_parallel import ExpertParallel
+from .parallel.expert_parallel import ExpertParallel, StepDispatch, StepKind
 from .registry import SelectedBackend
 from .model.dspark import DSparkConfig, DSparkDraft
 from .sampler import Sampler, top_logprobs
 from .spec_decode import DSparkProposer, StepCostProfile, verify_drafts
 from .stats import EngineStats
-from .step import SampledToken, ScheduledSequence, Step, StepResult
+from .step import DraftProposal, SampledToken, ScheduledSequence, Step, StepResult
 
 log = logging.getLogger("deepinfer")
 
@@ -66,6 +66,18 @@ class CachePlan:
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({self.token_capacity} tokens of compressed state) "
             f"+ {self.num_slots} sequence slots, {self.budget / mib:.1f} MiB"
         )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One sampled request's result of a step, as the next step's chained record needs it."""
+
+    #: drafts it verified and rejected
+    rejected: int
+    #: its last new token (the next step's anchor)
+    last_token: int
+    #: the drafts made after it (None: none)
+    draft: DraftProposal | None
 
 
 def plan_cache(geometry: CacheGeometry, budget: int, slots: int, max_model_len: int, dtype: torch.dtype) -> CachePlan:
@@ -134,6 +146,8 @@ class ModelRunner:
         log.info(self.plan.describe())
         self.sampler = Sampler(self.kernels, self.device, cfg.seed)
         self.proposer = self._proposer(cfg, model_dir)
+        # the draft copied the stored mtp.* tensors into its own parameters (or speculation is off): drop them
+        self.model.extra_tensors = {k: v for k, v in self.model.extra_tensors.items() if not k.startswith("mtp.")}
         #: per layer the draft reads (none without speculation), what each forward keeps of its hidden states
         self.hidden_layers: tuple[int, ...] = self.proposer.target_layers if self.proposer is not None else ()
         self._staging_tensor: torch.Tensor | None = None
@@ -142,6 +156,8 @@ class ModelRunner:
         #: the previous step's sampled tokens on the device, and each request's index among them
         self._last_tokens: torch.Tensor | None = None
         self._last_index: dict[str, int] = {}
+        #: what the previous step left each sampled request: chained records are resolved from it
+        self._outcomes: dict[str, Outcome] = {}
         #: the last forward's hidden states at ``hidden_layers``
         self._hidden: dict[int, torch.Tensor] = {}
         self.graphs: DecodeGraphs | None = None
@@ -150,11 +166,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, self.cache, self.device, sizes, self.max_model_len,
                 self.sharding.use_capacity if self.sharding is not None else None, self.hidden_layers,
-                # verify graphs on one rank; under EP a verifying step takes the variable-split dispatch, eager
-                self.proposer.gamma if self.proposer is not None and self.sharding is None else 0,
+                self.proposer.gamma if self.proposer is not None else 0,
             )
             if self.sharding is not None:
-                self.sharding.capture_sizes = self.graphs.sizes
+                self.sharding.use_graphs(self.graphs.sizes, self.graphs.drafts)
             report = self.graphs.capture(_progress_line if sys.stderr.isatty() and log.isEnabledFor(logging.INFO) else None)
             self.stats.graphs_captured = report.graphs
             self.stats.graph_capture_seconds = report.seconds
@@ -239,6 +254,7 @@ class ModelRunner:
     def execute(self, step: Step) -> StepResult:
         """Run ``step`` and sample its sequences; steps must come in submission order."""
         t0 = time.perf_counter()
+        step = self._resolve(step)
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
             if self.proposer is not None:
@@ -250,12 +266,13 @@ class ModelRunner:
         batch, rows, placeholders = self._batch(step)
         decode = all(s.is_decode for s in step.sequences if s.num_tokens)
         verify = all(s.decodes for s in step.sequences if s.num_tokens)
-        capacity = self.sharding.begin_step(batch.num_tokens, decode) if self.sharding is not None else None
-        graph = self._graph_for(decode, verify, batch, capacity)
+        agreed = (self.sharding.begin_step(batch.num_seqs, batch.num_tokens, StepKind.of(decode, verify))
+                  if self.sharding is not None else None)
+        graph = self._graph_for(decode, verify, batch, agreed)
         logits = self._forward(batch, placeholders, graph) if batch.num_seqs else None
         if self.sharding is not None:
             if not batch.num_seqs:
-                self._join(capacity)
+                self._join(agreed)
             self.sharding.end_step()
         for s in step.sequences:
             if s.fork is not None:
@@ -274,7 +291,33 @@ class ModelRunner:
             t1 = time.perf_counter()
             drafts = self.proposer.after_step(step, hidden, tokens, last, self.sampler, self.config.max_position_embeddings)
             draft_seconds = time.perf_counter() - t1
-        return StepResult(tokens, prompt_lps, time.perf_counter() - t0, graph is not None, drafts, draft_seconds)
+        self._outcomes = {
+            s.request_id: Outcome(len(s.draft_token_ids) + 1 - len(tokens[s.request_id]), tokens[s.request_id][-1].token_id,
+                                  drafts.get(s.request_id))
+            for s in step.sampled
+        }
+        verified = {s.request_id: len(s.draft_token_ids) for s in step.sampled if s.draft_token_ids}
+        return StepResult(tokens, prompt_lps, time.perf_counter() - t0, graph is not None, drafts, draft_seconds, verified)
+
+    def _resolve(self, step: Step) -> Step:
+        """``step`` with its chained records made concrete from the previous step's outcome, which this
+        runner read back: each one's positions move back by its request's rejected drafts, its token is that
+        step's last sample and its drafts are the ones drafted after it (fewer, or none, if it drafted less)."""
+        if not any(s.chained for s in step.sequences):
+            return step
+        sequences = []
+        for s in step.sequences:
+            if s.chained:
+                prev = self._outcomes[s.request_id]
+                start = s.start - prev.rejected
+                d = prev.draft
+                drafts = list(d.tokens[: len(s.draft_token_ids)]) if d is not None and d.anchor_position == start else []
+                s = dataclasses.replace(
+                    s, start=start, token_ids=[prev.last_token], draft_token_ids=drafts,
+                    logit_offsets=s.logit_offsets[: len(s.logit_offsets) - len(s.draft_token_ids) + len(drafts)], chained=False,
+                )
+            sequences.append(s)
+        return dataclasses.replace(step, sequences=sequences)
 
     @torch.inference_mode()
     def execute_idle(self) -> None:
@@ -282,15 +325,15 @@ class ModelRunner:
         other ranks' tokens routed to its experts, in every layer."""
         if self.sharding is not None:
             t0 = time.perf_counter()
-            self._join(self.sharding.begin_step(0, True))
+            self._join(self.sharding.begin_step(0, 0, StepKind.DECODE))
             self.sharding.end_step()
             self.stats.forward_seconds += time.perf_counter() - t0
 
-    def _join(self, capacity: int | None) -> None:
-        """This rank's part in a step's collectives when it brings no tokens: the graph of the agreed
-        capacity replayed over padding only when there is one, else an eager pass over no rows."""
-        graph = self.graphs.find(capacity, 0) if self.graphs is not None and capacity is not None else None
-        if graph is None or graph.size != capacity:
+    def _join(self, agreed: StepDispatch) -> None:
+        """This rank's part in a step's collectives when it brings no tokens: the agreed graph (decode or
+        verify) replayed over padding only when there is one, else an eager pass over no rows."""
+        graph = self.graphs.get(*agreed.graph, 0) if self.graphs is not None and agreed.graph is not None else None
+        if graph is None:
             self.model.join_step()
             return
         self._copied.synchronize()
@@ -415,24 +458,19 @@ class ModelRunner:
             out[s.request_id] = new
             at += len(ts)
 
-    def _graph_for(self, decode: bool, verify: bool, batch: Batch, capacity: int | None) -> DecodeGraph | None:
+    def _graph_for(self, decode: bool, verify: bool, batch: Batch, agreed: StepDispatch | None) -> DecodeGraph | None:
         """The graph this step replays: the smallest size holding the batch (a verify graph when sequences
-        bring drafts); under expert parallelism exactly the agreed capacity (its dispatch layout), else
-        none (eager with that capacity)."""
+        bring drafts); under expert parallelism exactly the agreed one (its dispatch layout: a decode batch
+        replays the verify graph when another rank verifies), else none (eager with the agreed capacity)."""
         if self.graphs is None or not batch.num_seqs:
             return None
-        if self.sharding is None:
-            if decode:
-                return self.graphs.find(batch.num_seqs, batch.max_context_len)
-            if verify:
-                return self.graphs.find(batch.num_seqs, batch.max_context_len, batch.num_tokens)
-            return None
-        if not decode:
-            return None
-        if capacity is None:
-            return None
-        graph = self.graphs.find(capacity, batch.max_context_len)
-        return graph if graph is not None and graph.size == capacity else None
+        if agreed is not None:
+            return self.graphs.get(*agreed.graph, batch.max_context_len) if agreed.graph is not None else None
+        if decode:
+            return self.graphs.find(batch.num_seqs, batch.max_context_len)
+        if verify:
+            return self.graphs.find(batch.num_seqs, batch.max_context_len, batch.num_tokens)
+        return None
 
     def _forward(self, batch: Batch, placeholders: np.ndarray, graph: DecodeGraph | None) -> torch.Tensor:
         """fp32 logits of the batch's logits rows: the step's indices in one copy, then a replay or an eager forward."""

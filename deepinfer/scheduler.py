@@ -15,7 +15,12 @@ Speculative decoding: a running request whose draft follows the token it feeds
 next brings that token and the drafts ``admit`` chooses (from their survival
 probabilities, over the whole batch); they count as computed until the step
 returns, when ``settle`` keeps the anchor and the accepted drafts and drops the
-rest (with the blocks only they needed).
+rest (with the blocks only they needed). With overlap scheduling (``chain``) a
+request whose step is still in flight is scheduled again at once: its record is
+*chained* to that step (its token and drafts are the ones that step samples and
+drafts, its positions assume every draft in flight is accepted, and the runner
+moves them back by the rejected ones), and how many drafts it verifies is
+admitted from its previous draft's survival, one step old.
 
 Parallel sampling: the extra completions of a prompt wait here until their
 first sibling's prefill is scheduled to finish; in that same step they start
@@ -29,12 +34,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .stats import EngineStats
-from .step import ForkSpec, PromptLogprobSpec, ScheduledSequence
+from .step import PLACEHOLDER, ForkSpec, PromptLogprobSpec, ScheduledSequence
 
 
 @dataclass
@@ -59,13 +64,19 @@ class Scheduler:
         replay_start: Callable[[int], int | None] = lambda hit: hit,
         stats: EngineStats | None = None,
         admit: Callable[[list[list[float]], int], list[int]] | None = None,
+        chain: bool = False,
+        prior: Callable[[], Sequence[float]] | None = None,
     ) -> None:
         """``replay_start(hit)`` gives the position from which a request whose first ``hit``
         tokens are cached recomputes (to rebuild state that is not cached), or None when
         the hit is not worth adopting. ``admit(survival, budget)`` gives how many of each
         ready request's drafts a step verifies (``survival[r]``: its drafts' survival
-        probabilities, as many as it may verify; ``budget``: the most drafted tokens in all)."""
+        probabilities, as many as it may verify; ``budget``: the most drafted tokens in all). ``chain``:
+        steps are scheduled while the previous one is in flight (overlap), so speculating requests chain;
+        ``prior()``: survival by position for a chained request that has no draft of its own yet."""
         self.kv = kv
+        self.chain = chain
+        self.prior = prior
         self.replay_start = replay_start
         self.admit = admit
         self.max_num_seqs = max_num_seqs
@@ -108,10 +119,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.at_limit or req.num_computed_tokens >= req.num_tokens:
-                i += 1  # finishes once its pending tokens land; nothing to compute
+            chained = self._chains(req)
+            if req.at_limit or (chained and req.num_computed_tokens >= req.max_total_tokens) or (
+                not chained and req.num_computed_tokens >= req.num_tokens
+            ):
+                i += 1  # finishes once its pending tokens land (or may: it waits for them); nothing to compute
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
+            n = 1 if chained else min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
             draft = drafts.get(req.request_id, [])[: max(0, min(budget, self.max_chunk) - n)]
             if draft and not self.kv.allocate(req, req.num_computed_tokens + n + len(draft)):
                 draft = []  # no room to verify: decode plainly before preempting anyone
@@ -122,7 +136,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._emit(out, req, req.num_computed_tokens, n, draft)
+                self._emit(out, req, req.num_computed_tokens, n, draft, chained)
                 budget -= n + len(draft)
                 i += 1
                 continue
@@ -161,34 +175,52 @@ class Scheduler:
         """The drafts each ready running request verifies this step."""
         if self.admit is None:
             return {}
-        ready = [r for r in self.running if r.draft_ready() and not r.at_limit]
-        # never verify past the request's last token: the step adds at most one more after the drafts
-        room = [r.draft.survival[: self._verifiable(r)] for r in ready]
+        ready = [r for r in self.running if not r.at_limit and (r.draft_ready() or self._chains(r))]
+        prior = tuple(self.prior()) if self.prior is not None else ()
+        room = [(prior if r.draft is None else r.draft.survival)[: self._verifiable(r)] for r in ready]
         counts = self.admit([list(x) for x in room], max(0, budget - len(ready)))
-        return {r.request_id: list(r.draft.tokens[:k]) for r, k in zip(ready, counts) if k}
+        return {r.request_id: self._drafts(r, k) for r, k in zip(ready, counts) if k}
 
-    @staticmethod
-    def _verifiable(req: Request) -> int:
-        """How many of ``req``'s drafts a step may verify: none past its last token (the step adds one more
-        after them), and none its grammar refuses."""
+    def _chains(self, req: Request) -> bool:
+        """Whether ``req``'s next record chains to its step in flight: with overlap, a speculating request's
+        every sampling step drafts for it, so the next one can feed that step's sample and verify its drafts."""
+        return self.chain and req.speculative and req.num_pending == 1
+
+    def _verifiable(self, req: Request) -> int:
+        """How many drafts ``req``'s next step may verify: none past its last token (the step adds one more
+        after them), and none its grammar refuses. A chained request's drafts are not known yet: its bound
+        assumes every draft in flight is accepted, and its grammar checks them once they are (a refused
+        draft's row then masks it out, so verification rejects it)."""
+        if self._chains(req):
+            return max(0, req.max_total_tokens - req.num_computed_tokens - 2)
         n = max(0, req.max_total_tokens - req.num_tokens - 1)
         if req.grammar is not None and n:
             n = req.grammar.validate_draft(list(req.draft.tokens[:n]))
         return n
 
-    def settle(self, req: Request, start: int, committed: int) -> None:
-        """After verification: ``req``'s positions ``[start, start + committed)`` (its anchor and the
-        accepted drafts) stay computed; the rejected ones are dropped, and the blocks only they used."""
-        req.num_computed_tokens = start + committed
-        self.kv.truncate(req, req.num_tokens)
+    def _drafts(self, req: Request, k: int) -> list[int]:
+        """The ``k`` drafts ``req`` verifies next: its pending draft's, or placeholders for a chained request
+        (the drafts its step in flight makes)."""
+        return [PLACEHOLDER] * k if self._chains(req) else list(req.draft.tokens[:k])
 
-    def _emit(self, out: SchedulerOutput, req: Request, start: int, n: int, draft: list[int] | None = None) -> None:
+    def settle(self, req: Request, rejected: int) -> None:
+        """After verification: ``req``'s ``rejected`` drafts stop counting as computed (a record chained
+        after them assumed them accepted: the runner moved its positions back by as many), and the
+        blocks only they needed are dropped. A request preempted since keeps its fresh start."""
+        if req.status is not RequestStatus.RUNNING:
+            return
+        req.num_computed_tokens -= rejected
+        self.kv.truncate(req, max(req.num_tokens, req.num_computed_tokens))
+
+    def _emit(
+        self, out: SchedulerOutput, req: Request, start: int, n: int, draft: list[int] | None = None, chained: bool = False
+    ) -> None:
         """Record one chunk of ``req`` (with the drafts it verifies) and count it as computed."""
         draft = draft or []
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.monotonic()
             self.stats.prompt_tokens += req.num_prompt_tokens
-        samples = start + n == req.num_tokens
+        samples = chained or start + n == req.num_tokens
         if not (samples and n == 1 and start >= req.num_prompt_tokens):  # anything but feeding back one output token
             self.stats.prefill_tokens += n
         offsets: list[int] = []
@@ -215,7 +247,10 @@ class Scheduler:
             prompt_logprobs=prompt_lp,
             draft_token_ids=draft,
             speculate=req.speculative,
+            chained=chained,
         ))
+        if chained:
+            self.stats.spec_chained_records += 1
         req.num_computed_tokens = start + n + len(draft)
         if samples:
             req.num_pending += 1

@@ -49,6 +49,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_position_verified: list[int] = field(default_factory=list)
     spec_position_accepted: list[int] = field(default_factory=list)
+    #: records scheduled while the request's previous step was in flight (overlap with speculation)
+    spec_chained_records: int = 0
     #: seconds the draft passes took
     draft_seconds: float = 0.0
 

@@ -88,6 +88,11 @@ class ScheduledSequence:
     draft_token_ids: list[int] = field(default_factory=list)
     #: draft the next tokens after this step's sample (the request speculates)
     speculate: bool = False
+    #: it follows the request's step still in flight when it was scheduled (overlap scheduling with
+    #: speculation): its token and its drafts are that step's last sample and new drafts, and its
+    #: positions assume every draft that step verifies is accepted, so the runner, which knows the
+    #: outcome, moves them back by the rejected ones (``token_ids`` and ``draft_token_ids`` are placeholders)
+    chained: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -142,11 +147,6 @@ class Step:
     def sampled(self) -> list[ScheduledSequence]:
         return [s for s in self.sequences if s.sample is not None]
 
-    @property
-    def speculative(self) -> bool:
-        """Whether it verifies drafts or drafts for a sequence it samples."""
-        return any(s.draft_token_ids or (s.speculate and s.sample is not None) for s in self.sequences)
-
 
 #: per position: token id -> (logprob, rank)
 LogprobRow = dict[int, tuple[float, int]]
@@ -185,3 +185,6 @@ class StepResult:
     drafts: dict[str, DraftProposal] = field(default_factory=dict)
     #: seconds the draft pass took (its share of the step)
     draft_seconds: float = 0.0
+    #: drafted tokens each verifying sequence checked (fewer than scheduled where a chained record's
+    #: previous step had no draft for it)
+    verified: dict[str, int] = field(default_factory=dict)

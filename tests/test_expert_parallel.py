@@ -19,6 +19,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
 from deepinfer.model.model import DeepseekV4Model
+from deepinfer.parallel.expert_parallel import EPLBSettings, ExpertParallel, StepDispatch, StepKind
 from deepinfer.weight_memory import weight_memory
 from deepinfer_interfaces import Kernels
 from tests.helpers.graph_devices import make_graph_devices
@@ -47,7 +48,7 @@ def _run(llm: LLM, prompts=PROMPTS, params=GREEDY):
 GRAPH_RUN = """
     import json, sys
     from deepinfer import LLM, SamplingParams
-    prompts = json.loads(sys.argv[1])
+    prompts, graph_kw = json.loads(sys.argv[1]), json.loads(sys.argv[2])
     # lengths differ: ranks finish at different steps, and an idle rank replays its graph over padding
     params = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True, prompt_logprobs=1) for i in range(len(prompts))]
 
@@ -61,16 +62,31 @@ GRAPH_RUN = """
         lps = [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in outs]
         return dict(tokens=[o.outputs[0].token_ids for o in outs], logprobs=lps, metrics=m)
 
-    # no speculation: its verify steps run eager under EP, and this is about decode graphs
     eager = run(backend="cpu", speculative_method=None)
-    graph = run(backend="replay", expert_parallel_size=2, graph_capture_sizes=[1, 2, 4], num_redundant_experts=2,
-                eplb_interval=4, eplb_window=4, speculative_method=None)
+    graph = run(backend="replay", expert_parallel_size=2, graph_capture_sizes=[1, 2, 4], **graph_kw)
     m = graph["metrics"]
     print(json.dumps(dict(eager=eager["tokens"], graph=graph["tokens"], eager_lps=eager["logprobs"], graph_lps=graph["logprobs"],
                           captured=[r["graphs_captured"] for r in m["per_rank"]], replays=[r["graph_replays"] for r in m["per_rank"]],
                           by_size=[r["graph_replays_by_size"] for r in m["per_rank"]],
-                          ep=m["expert_parallel"])))
+                          ep=m["expert_parallel"], verifications=m["spec_verifications"])))
 """
+
+
+def _graph_run(tmp_path: Path, **graph_kw) -> dict:
+    """``GRAPH_RUN`` in a fresh process on the ``replay`` test device: one eager rank without speculation,
+    then EP 2 with graphs (and ``graph_kw``); every rank's graph figures."""
+    plugins = make_graph_devices(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugins), str(ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(GRAPH_RUN), json.dumps(PROMPTS), json.dumps(graph_kw)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["graph"] == out["eager"]
+    diff = max(abs(a - b) for p, q in zip(out["graph_lps"], out["eager_lps"]) for a, b in zip(p, q))
+    assert diff <= LOGPROB_TOL
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -111,24 +127,64 @@ def test_greedy_tokens_and_prompt_logprobs_equal_one_rank(single, ep):
 def test_decode_graphs_replay_in_lockstep_under_ep_through_rebalancing(tmp_path):
     # the `replay` test device captures by default and re-runs the captured step over its static buffers: ranks
     # must capture the same graphs in the same order and replay the same size each step, or the collectives
-    # inside (fixed-capacity dispatch and combine) do not meet
-    plugins = make_graph_devices(tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugins), str(ROOT), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(GRAPH_RUN), json.dumps(PROMPTS)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["graph"] == out["eager"]
-    diff = max(abs(a - b) for p, q in zip(out["graph_lps"], out["eager_lps"]) for a, b in zip(p, q))
-    assert diff <= LOGPROB_TOL
+    # inside (fixed-capacity dispatch and combine) do not meet; no speculation: this is about decode graphs
+    out = _graph_run(tmp_path, num_redundant_experts=2, eplb_interval=4, eplb_window=4, speculative_method=None)
     assert out["captured"] == [3, 3]  # three sizes, one context bucket, on each rank
     assert all(r > 5 for r in out["replays"]), out["replays"]
     # every step, every rank replayed the graph of the agreed size (the request counts differ between ranks)
     assert out["by_size"][0] == out["by_size"][1] and len(out["by_size"][0]) >= 2, out["by_size"]
     # weights moved between ranks while graphs kept replaying
     assert out["ep"]["rebalances"] >= 1 and out["ep"]["layers_moved"] > 0, out["ep"]
+
+
+def test_verify_graphs_replay_in_lockstep_under_ep(tmp_path):
+    # speculation on (the bundled model's DSpark draft; drafts above a survival threshold verified, so some
+    # sequences bring none): each step the ranks agree on one graph, the verify graph of the size holding the most
+    # sequences any rank brings whenever one rank verifies, and every rank replays it (one that only decodes or
+    # is idle, too); greedy verification keeps the tokens of one eager rank without speculation
+    out = _graph_run(tmp_path, speculative_policy="threshold", speculative_threshold=0.7)
+    assert out["verifications"] > 5, out
+    assert out["captured"] == [6, 6]  # three decode and three verify sizes, one context bucket, on each rank
+    verify = [{k: v for k, v in by.items() if "x" in k} for by in out["by_size"]]
+    assert all(v and all(k.endswith("x6") for k in v) and sum(v.values()) >= 4 for v in verify), out["by_size"]
+    # the same graphs, as often, on both ranks (their request counts and speculation differ)
+    assert out["by_size"][0] == out["by_size"][1], out["by_size"]
+    assert out["replays"][0] == out["replays"][1], out["replays"]
+
+
+class _Peer:
+    """Rank 0 of 2 whose peer's vote is given: ``all_reduce`` takes the element-wise max with it."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, seqs: int, tokens: int, kind: StepKind) -> None:
+        self.peer = torch.tensor([seqs, tokens, int(kind)], dtype=torch.int64)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        assert op == "max"
+        return tensor.copy_(torch.maximum(tensor, self.peer))
+
+
+@pytest.mark.parametrize(
+    "mine, peer, drafts, want",
+    [
+        ((1, 1, StepKind.DECODE), (3, 3, StepKind.DECODE), 5, StepDispatch(4, (4, 1))),
+        # one rank verifies: the decoding rank replays the same verify graph, sized by the most sequences
+        ((2, 2, StepKind.DECODE), (1, 6, StepKind.VERIFY), 5, StepDispatch(12, (2, 6))),
+        ((0, 0, StepKind.DECODE), (3, 10, StepKind.VERIFY), 5, StepDispatch(24, (4, 6))),
+        # more sequences than the largest graph holds: eager on every rank, at the most tokens any rank brings
+        ((5, 5, StepKind.DECODE), (1, 6, StepKind.VERIFY), 5, StepDispatch(6)),
+        ((5, 5, StepKind.DECODE), (1, 1, StepKind.DECODE), 5, StepDispatch(5)),
+        # no verify graphs: a verifying step runs eager at a fixed capacity
+        ((2, 12, StepKind.VERIFY), (1, 1, StepKind.DECODE), 0, StepDispatch(12)),
+        ((2, 12, StepKind.VERIFY), (4, 40, StepKind.PREFILL), 5, StepDispatch(None)),
+    ],
+)
+def test_begin_step_agrees_on_one_graph_or_one_eager_capacity(mine, peer, drafts, want):
+    ep = ExpertParallel(_Peer(*peer), num_layers=1, num_experts=4, top_k=2, device=torch.device("cpu"), eplb=EPLBSettings())
+    ep.use_graphs([1, 2, 4], drafts)
+    got = ep.begin_step(*mine)
+    assert got == want and ep.capacity == want.capacity
 
 
 def test_rebalancing_with_redundant_experts_keeps_outputs_and_balances_a_skewed_load():

@@ -3,6 +3,7 @@ sampled in distribution), admission that verifies less on a busy device, and the
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -70,8 +71,9 @@ def test_greedy_outputs_with_speculation_equal_plain_decoding(plain, policy, ove
         if w.outputs[0].logprobs is not None:
             for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
                 assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
-    # the run really speculated, hit the prefix cache and preempted
+    # the run really speculated, hit the prefix cache and preempted; with overlap, records chained
     assert m["spec_verifications"] > 50 and m["spec_mean_accepted_length"] > 1.5, m
+    assert (m["spec_chained_records"] > 100) == overlap, m
     assert m["cached_tokens"] > 0 and m["preemptions"] > 0 and plain_metrics["spec_verifications"] == 0
     assert m["steps"] < plain_metrics["steps"]
     assert len(m["spec_acceptance_per_position"]) == 5 and 0 < m["spec_draft_share"] < 1
@@ -79,11 +81,14 @@ def test_greedy_outputs_with_speculation_equal_plain_decoding(plain, policy, ove
         assert m["spec_verified_tokens_per_step"] > 4.0
 
 
-def test_structured_requests_verify_drafts_their_grammar_allows():
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
+def test_structured_requests_verify_drafts_their_grammar_allows(overlap):
+    # synchronous: drafts the grammar refuses are not verified; overlap: a chained record's drafts are
+    # checked once known, and a refused one is masked out at its own row, so verification rejects it
     params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex="[a-z ]{10,40}"))
     prompts = ["Return the number of", "class Stack:"]
     want = LLM(backend="cpu", speculative_method=None).generate(prompts, params)
-    llm = LLM(backend="cpu", speculative_policy="all")
+    llm = LLM(backend="cpu", speculative_policy="all", overlap_scheduling=overlap)
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert all(c.isalpha() or c == " " for o in got for c in o.outputs[0].text)
@@ -114,20 +119,25 @@ def test_rejection_sampling_emits_the_target_distribution_whatever_the_draft():
     assert float(((bonus - m * p) ** 2 / (m * p)).sum()) < 20.5
 
 
-def _first_two(speculative: bool) -> list[tuple[int, int]]:
+@functools.cache
+def _first_two(speculative: bool, overlap: bool = False) -> list[tuple[int, int]]:
     kw = dict(speculative_policy="all") if speculative else dict(speculative_method=None)
-    llm = LLM(backend="cpu", max_num_seqs=256, max_model_len=64, **kw)
+    llm = LLM(backend="cpu", max_num_seqs=256, max_model_len=64, overlap_scheduling=overlap, **kw)
     # three tokens: the second comes from verifying a draft (a step verifies none when only one token remains)
     # a prompt whose continuations spread over many pairs, at a temperature and top-k that keep ~20 of them frequent
     params = [SamplingParams(n=250, temperature=0.5, top_k=40, max_tokens=3, ignore_eos=True, seed=1000 * s) for s in range(8)]
     outs = llm.generate(["def get_"] * 8, params)
     if speculative:
-        assert llm.get_metrics()["spec_verifications"] >= 1500
+        m = llm.get_metrics()
+        assert m["spec_verifications"] >= 1500 and (m["spec_chained_records"] >= 2000) == overlap, m
     return [tuple(c.token_ids[:2]) for o in outs for c in o.outputs]
 
 
-def test_speculative_sampling_keeps_the_distribution_of_the_first_two_tokens():
-    plain, spec = _first_two(False), _first_two(True)
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
+def test_speculative_sampling_keeps_the_distribution_of_the_first_two_tokens(overlap):
+    # with overlap the second token comes from a chained record: it verifies the drafts of the step still
+    # in flight when it was scheduled, its position resolved by the runner
+    plain, spec = _first_two(False), _first_two(True, overlap)
     assert len(plain) == len(spec) == 2000
     pooled: dict[tuple[int, int], int] = {}
     for pair in plain + spec:

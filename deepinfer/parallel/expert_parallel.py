@@ -6,13 +6,17 @@ layer's ``ExpertPlacement``, the one logical → physical map), sends them to
 the ranks holding those replicas through the Communicator's ``dispatch``,
 runs the experts it holds on what it received, and brings the results back
 with ``combine``. All ranks step in lockstep, so every rank makes the same
-collective calls in the same order; ``begin_step`` agrees on the step's
-dispatch layout first (fixed capacity when every rank decodes, which needs no
-host sync and can be captured; variable splits for prefill). With decode
-graphs the capacity is rounded up to a capture size, the same on every rank,
-so every rank replays a graph of that size (an idle one, over padding only).
-Padding tokens route to no expert. The device tables a graph reads (routing
-tables, load counters, expert weights) are only ever updated in place.
+collective calls in the same order; ``begin_step`` agrees on the step's kind
+and dispatch layout first: variable splits when any rank brings a prefill or
+mixed chunk; else a fixed capacity, which needs no host sync and can be
+captured. With decode graphs that capacity is the token count of one graph,
+the same on every rank: the verify graph (``B · (1 + γ)`` tokens) when any rank
+verifies drafts, else the decode graph (``B`` tokens), ``B`` the smallest
+capture size holding every rank's sequences. Every rank replays that graph
+(one that only decodes, inside the verify graph's layout; an idle one, over
+padding only), or, without a graph of that size, runs eagerly at that
+capacity. Padding tokens route to no expert. The device tables a graph reads
+(routing tables, load counters, expert weights) are only ever updated in place.
 
 Load is counted on the device as tokens are routed (no host sync). Every
 ``eplb_interval`` steps the window's load, summed over ranks, gives each layer
@@ -28,6 +32,7 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import torch
 
@@ -52,6 +57,33 @@ class EPLBSettings:
     window: int = 64
     num_nodes: int = 1
     num_groups: int | None = None
+
+
+class StepKind(IntEnum):
+    """What one rank's step needs of the dispatch, in precedence order: the step's kind is the most any rank needs."""
+
+    #: every sequence brings one token (fits a decode graph)
+    DECODE = 0
+    #: every sequence brings one token and maybe drafts (fits a verify graph)
+    VERIFY = 1
+    #: anything else: prefill or mixed chunks, prompt scoring (variable splits, eager)
+    PREFILL = 2
+
+    @classmethod
+    def of(cls, decode: bool, verify: bool) -> "StepKind":
+        """The kind of a step whose sequences all decode (``decode``) or all fit a verify graph (``verify``)."""
+        return cls.DECODE if decode else cls.VERIFY if verify else cls.PREFILL
+
+
+@dataclass(frozen=True)
+class StepDispatch:
+    """What every rank agreed on for one step."""
+
+    #: rows per rank of the fixed-capacity dispatch (None: variable splits)
+    capacity: int | None
+    #: the graph every rank replays, as (sequences, tokens per sequence), of ``capacity`` tokens; a rank whose
+    #: context bucket has none runs eagerly at that capacity (None: every rank runs eagerly)
+    graph: tuple[int, int] | None = None
 
 
 @dataclass
@@ -95,8 +127,10 @@ class ExpertParallel:
         self._logical_load = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=self.device)
         self.window = LoadWindow(eplb.window, num_layers, num_experts)
         self.capacity: int | None = None
-        #: the decode graphs' sizes: a fixed capacity is rounded up to one of them (None: no graphs)
+        #: the graphs' sizes: a fixed capacity is the token count of one of them (None: no graphs)
         self.capture_sizes: list[int] | None = None
+        #: most drafts a verify graph's sequence brings (0: no verify graphs)
+        self.capture_drafts = 0
         self.steps = 0
         self.counters = EPCounters(balancedness=[None] * num_layers)
         #: per token of the current forward, what spreads it over an expert's replicas, and whether it is real
@@ -145,21 +179,33 @@ class ExpertParallel:
 
     # ----- the lockstep step -----
 
-    def begin_step(self, num_tokens: int, decode_only: bool) -> int | None:
-        """Agree with every rank on this step's dispatch layout: the fixed capacity when every rank
-        decodes, else None (variable splits). The capacity is the most tokens any rank brings, rounded
-        up to the smallest capture size holding it when there are decode graphs (every rank then
-        replays the graph of that size). One small all-reduce."""
-        vote = torch.tensor([num_tokens, 0 if decode_only else 1], dtype=torch.int64, device=self.device)
+    def use_graphs(self, sizes: list[int], drafts: int) -> None:
+        """Let ``begin_step`` agree on graphs: the capture sizes (sorted) and the drafts a verify graph's sequence brings."""
+        self.capture_sizes = sizes
+        self.capture_drafts = drafts
+
+    def begin_step(self, num_seqs: int, num_tokens: int, kind: StepKind) -> StepDispatch:
+        """Agree with every rank on this step's kind and dispatch layout (one small all-reduce of the
+        most sequences, tokens and kind any rank brings). Prefill anywhere: variable splits. Else a fixed
+        capacity: the token count of the graph every rank replays, a verify graph when any rank verifies,
+        of the smallest capture size holding every rank's batch; without one (no graphs, or more than
+        the largest holds), the most tokens any rank brings, run eagerly."""
+        vote = torch.tensor([num_seqs, num_tokens, int(kind)], dtype=torch.int64, device=self.device)
         self.comm.all_reduce(vote, op="max")
-        most, prefill = (int(v) for v in vote.tolist())
-        if prefill:
+        seqs, tokens, step_kind = (int(v) for v in vote.tolist())
+        if step_kind == StepKind.PREFILL:
             self.capacity = None
-        else:
-            sizes = self.capture_sizes or []
-            i = bisect.bisect_left(sizes, max(most, 1))
-            self.capacity = sizes[i] if i < len(sizes) else max(most, 1)
-        return self.capacity
+            return StepDispatch(None)
+        verify = step_kind == StepKind.VERIFY
+        per = 1 + self.capture_drafts if verify else 1
+        # without verify graphs (no drafts) a verifying step has no graph size to round up to
+        sizes = (self.capture_sizes or []) if not verify or self.capture_drafts else []
+        i = bisect.bisect_left(sizes, max(seqs, -(-tokens // per), 1))
+        if i < len(sizes):
+            self.capacity = sizes[i] * per
+            return StepDispatch(self.capacity, (sizes[i], per))
+        self.capacity = max(tokens, 1)
+        return StepDispatch(self.capacity)
 
     def use_capacity(self, tokens: int) -> None:
         """Fix the dispatch layout at ``tokens`` rows per rank without a vote: every rank captures the

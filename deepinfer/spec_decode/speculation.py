@@ -32,6 +32,12 @@ class Speculation:
         self.stats.spec_offers += len(rows)
         return counts
 
+    def prior(self) -> list[float]:
+        """Survival by position measured so far (the share of verifications of each position that kept
+        it): the estimate for a request whose draft's confidences the host has not seen yet."""
+        s = self.stats
+        return [a / n if n else 0.0 for a, n in zip(s.spec_position_accepted[: self.gamma], s.spec_position_verified[: self.gamma])]
+
     def record(self, verified: int, accepted: int) -> None:
         """One request's verification: ``verified`` drafts checked, the first ``accepted`` of them kept."""
         s = self.stats
