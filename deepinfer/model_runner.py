@@ -31,7 +31,7 @@ from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
 from .model.model import DeepseekV4Model
 from .parallel.expert_parallel import ExpertParallel, StepDispatch, StepKind
 from .registry import SelectedBackend
-from .model.dspark import DSparkConfig, DSparkDraft
+from .model.dspark import DSparkConfig, DSparkDraft, DSparkRing
 from .sampler import Sampler, top_logprobs
 from .spec_decode import DSparkProposer, StepCostProfile, verify_drafts
 from .stats import EngineStats
@@ -51,10 +51,12 @@ class CachePlan:
     num_slots: int
     bytes_per_block: int
     bytes_per_slot: int
-    #: bytes the pools take (at most the configured budget)
+    #: bytes the pools and the draft's context rings take (at most the configured budget)
     budget: int
     #: longest sequence one slot holds
     max_model_len: int
+    #: bytes of the DSpark draft's context ring per slot (0: no speculation)
+    draft_bytes_per_slot: int = 0
 
     @property
     def token_capacity(self) -> int:
@@ -62,9 +64,10 @@ class CachePlan:
 
     def describe(self) -> str:
         mib = 1 << 20
+        draft = f" (the draft's context rings {self.num_slots * self.draft_bytes_per_slot / mib:.1f} MiB of it)" if self.draft_bytes_per_slot else ""
         return (
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({self.token_capacity} tokens of compressed state) "
-            f"+ {self.num_slots} sequence slots, {self.budget / mib:.1f} MiB"
+            f"+ {self.num_slots} sequence slots, {self.budget / mib:.1f} MiB{draft}"
         )
 
 
@@ -80,10 +83,13 @@ class Outcome:
     draft: DraftProposal | None
 
 
-def plan_cache(geometry: CacheGeometry, budget: int, slots: int, max_model_len: int, dtype: torch.dtype) -> CachePlan:
-    """Split ``budget`` bytes into ``slots`` sequence slots and as many token blocks as they can use."""
+def plan_cache(
+    geometry: CacheGeometry, budget: int, slots: int, max_model_len: int, dtype: torch.dtype, draft_per_slot: int = 0
+) -> CachePlan:
+    """Split ``budget`` bytes into ``slots`` sequence slots and as many token blocks as they can use
+    (``draft_per_slot``: what each slot's DSpark context ring takes besides the pools)."""
     per_block = geometry.bytes_per_block(dtype)
-    per_slot = geometry.bytes_per_slot(dtype)
+    per_slot = geometry.bytes_per_slot(dtype) + draft_per_slot
     need_blocks = geometry.blocks_for(max_model_len)
     remaining = budget - slots * per_slot
     # more blocks than every slot at max_model_len can use would only hold cold prefixes
@@ -96,8 +102,8 @@ def plan_cache(geometry: CacheGeometry, budget: int, slots: int, max_model_len: 
             f"{slots} sequence slots take {slots * per_slot} bytes and {need_blocks} blocks take {need_blocks * per_block} "
             f"(at least {need} bytes needed); raise kv_cache_memory or lower max_model_len / max_num_seqs"
         )
-    used = geometry.pool_bytes(slots, int(num_blocks), dtype)
-    return CachePlan(geometry.block_size, int(num_blocks), slots, per_block, per_slot, used, max_model_len)
+    used = geometry.pool_bytes(slots, int(num_blocks), dtype) + slots * draft_per_slot
+    return CachePlan(geometry.block_size, int(num_blocks), slots, per_block, per_slot - draft_per_slot, used, max_model_len, draft_per_slot)
 
 
 class ModelRunner:
@@ -138,16 +144,18 @@ class ModelRunner:
         else:
             free, _ = self.device.memory_info()
             budget = int(free * cfg.kv_cache_memory_fraction)
-        self.plan = plan_cache(self.geometry, budget, cfg.max_num_seqs, self.max_model_len, self.dtype)
+        draft = self._draft(cfg, model_dir)
+        # the draft copied the stored mtp.* tensors into its own parameters (or speculation is off): drop them
+        self.model.extra_tensors = {k: v for k, v in self.model.extra_tensors.items() if not k.startswith("mtp.")}
+        ring = DSparkRing.bytes_per_slot(draft) if draft is not None else 0
+        self.plan = plan_cache(self.geometry, budget, cfg.max_num_seqs, self.max_model_len, self.dtype, ring)
         self.cache = ModelCache(
             self.geometry, self.plan.num_slots, self.plan.num_blocks, self.geometry.blocks_for(self.max_model_len),
             self.dtype, self.torch_device,
         )
         log.info(self.plan.describe())
         self.sampler = Sampler(self.kernels, self.device, cfg.seed)
-        self.proposer = self._proposer(cfg, model_dir)
-        # the draft copied the stored mtp.* tensors into its own parameters (or speculation is off): drop them
-        self.model.extra_tensors = {k: v for k, v in self.model.extra_tensors.items() if not k.startswith("mtp.")}
+        self.proposer = DSparkProposer(draft, self.plan.num_slots) if draft is not None else None
         #: per layer the draft reads (none without speculation), what each forward keeps of its hidden states
         self.hidden_layers: tuple[int, ...] = self.proposer.target_layers if self.proposer is not None else ()
         self._staging_tensor: torch.Tensor | None = None
@@ -224,8 +232,8 @@ class ModelRunner:
         log.info("step-cost profile: " + ", ".join(f"{t} tokens {1e3 * s:.2f} ms" for t, s in zip(counts, self._profile.seconds)))
         return self._profile
 
-    def _proposer(self, cfg: EngineConfig, model_dir: str | Path) -> DSparkProposer | None:
-        """The DSpark proposer when speculation is on: asked for (``dspark``), or the checkpoint has a draft (``auto``)."""
+    def _draft(self, cfg: EngineConfig, model_dir: str | Path) -> DSparkDraft | None:
+        """The DSpark draft when speculation is on: asked for (``dspark``), or the checkpoint has one (``auto``)."""
         if cfg.speculative_method is None:
             return None
         from .loader import read_config
@@ -238,7 +246,7 @@ class ModelRunner:
                     "dspark_* fields; run with --speculative none"
                 )
             return None
-        return DSparkProposer(DSparkDraft.from_target(self.model, raw), self.plan.num_slots)
+        return DSparkDraft.from_target(self.model, raw)
 
     def _graph_mode(self, cfg: EngineConfig) -> bool:
         caps = self.device.capabilities()

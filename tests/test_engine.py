@@ -204,6 +204,7 @@ def test_planned_kv_budget_is_what_the_pools_hold(tmp_path, variant):
     assert plan.budget == cache.pool_bytes() <= budget
     assert plan.budget == plan.num_slots * plan.bytes_per_slot + plan.num_blocks * plan.bytes_per_block
     assert f"{plan.budget / (1 << 20):.1f} MiB" in plan.describe()
+    assert plan.draft_bytes_per_slot == 0 and runner.proposer is None  # these checkpoints have no draft
     # the rings hold one step of max_step_tokens beyond the window
     assert cache.window_rows == runner.config.sliding_window - 1 + 40
 
@@ -219,3 +220,22 @@ def test_metrics_count_each_step_once(ckpt, prompts):
     assert m["steps"] > 0 and m["forward_ms_per_step"] > 0 and 0 <= m["device_idle_fraction"] <= 1
     assert m["graph_replays"] == 0 and m["preemptions"] == 0
     assert str(m["steps"]) in llm.engine.stats_line()
+
+
+def test_planned_kv_budget_counts_the_draft_context_rings():
+    # the bundled model has a DSpark draft: its per-slot context rings come out of the same budget
+    budget = 3 << 20
+    runner = LLM(backend="cpu", kv_cache_memory=budget, max_model_len=256, max_num_seqs=3).engine.runner
+    plan, ring = runner.plan, runner.proposer.ring
+    rings = ring.kv.numel() * ring.kv.element_size() + ring.positions.numel() * ring.positions.element_size()
+    assert plan.draft_bytes_per_slot > 0 and rings == plan.num_slots * plan.draft_bytes_per_slot
+    assert plan.budget == runner.cache.pool_bytes() + rings <= budget
+    assert "the draft's context rings" in plan.describe()
+    # a budget with room for two sequences' blocks besides the slots and rings: without the draft, the rings' bytes hold more blocks
+    tight = plan.num_slots * (plan.bytes_per_slot + plan.draft_bytes_per_slot) + 2 * (256 // plan.block_size) * plan.bytes_per_block
+    kw = dict(backend="cpu", kv_cache_memory=tight, max_model_len=256, max_num_seqs=3)
+    with_draft = LLM(**kw).engine.runner.plan
+    without = LLM(**kw, speculative_method=None).engine.runner.plan
+    assert with_draft.num_blocks == 2 * (256 // plan.block_size) and without.draft_bytes_per_slot == 0
+    ceiling = 3 * (256 // plan.block_size)  # blocks beyond every slot at max_model_len are not planned
+    assert without.num_blocks == min(ceiling, with_draft.num_blocks + (3 * plan.draft_bytes_per_slot) // plan.bytes_per_block) > with_draft.num_blocks

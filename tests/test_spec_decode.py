@@ -35,11 +35,14 @@ def _prompts() -> list[str]:
     return shared + alone
 
 
-def _budget() -> int:
-    """Cache room for a few sequences only: the batch preempts."""
+@functools.cache
+def _budget(speculative: bool) -> int:
+    """Cache room for six slots and sixty blocks, so the batch preempts, whether the draft's context rings
+    take their share of it or not (the same blocks either way: the same prefix hits and evictions)."""
     config = ModelConfig.from_pretrained(BUNDLED_MODEL)
     g = CacheGeometry.build(config, block_size_for(config, 16), 48, 320)
-    return 6 * g.bytes_per_slot(torch.float32) + 60 * g.bytes_per_block(torch.float32)
+    ring = LLM(backend="cpu", max_num_seqs=1, max_model_len=320).engine.runner.plan.draft_bytes_per_slot if speculative else 0
+    return 6 * (g.bytes_per_slot(torch.float32) + ring) + 60 * g.bytes_per_block(torch.float32)
 
 
 def _params() -> list[SamplingParams]:
@@ -51,7 +54,7 @@ def _params() -> list[SamplingParams]:
 
 
 def _run(**kw):
-    llm = LLM(backend="cpu", max_num_seqs=6, max_model_len=320, max_prefill_chunk=48, kv_cache_memory=_budget(), **kw)
+    llm = LLM(backend="cpu", max_num_seqs=6, max_model_len=320, max_prefill_chunk=48, kv_cache_memory=_budget("speculative_method" not in kw), **kw)
     outs = llm.generate(_prompts(), _params())
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
     return outs, llm.get_metrics()

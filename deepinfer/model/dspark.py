@@ -460,6 +460,13 @@ class DSparkRing:
         self.kv = torch.zeros(len(draft.stages), num_slots * window, mc.head_dim, dtype=draft.dtype, device=dev)
         self.positions = torch.full((num_slots * window,), -1, dtype=torch.long, device=dev)
 
+    @staticmethod
+    def bytes_per_slot(draft: DSparkDraft) -> int:
+        """Device bytes one slot's ring takes: ``W`` context rows per stage and their positions (the KV planner counts it)."""
+        mc, window = draft.model_config, draft.config.dspark_context_window
+        itemsize = torch.empty((), dtype=draft.dtype).element_size()
+        return window * (len(draft.stages) * mc.head_dim * itemsize + torch.empty((), dtype=torch.long).element_size())
+
     def write(self, slot: int, positions: torch.Tensor, kv: torch.Tensor) -> None:
         """Store one sequence's committed ``positions`` ``[T]`` (ascending): every stage's rows
         ``kv`` ``[S, T, head_dim]`` (the last ``W`` are kept)."""
