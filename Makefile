@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	# the test tools and community Triton (its interpreter runs the CUDA kernels on the CPU)
+	$(BIN)/pip install --quiet -e '.[test,cuda]'
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -36,10 +36,11 @@ class AscendCommunicator(TorchDistributedCommunicator):
         return module
 
     def _generation(self) -> str:
-        from .device import soc_generation
+        """The SoC generation of this rank's NPU (``get_soc_version()``, the device name as the fallback)."""
+        from .device import cached_soc
         from .npu import npu_namespace
 
-        return soc_generation(npu_namespace().get_device_name(self.device.index or 0))
+        return cached_soc(npu_namespace(), self.device.index or 0).generation
 
     def _moe_group_name(self) -> str:
         """The HCCL name of a group reserved for the fused ops (they allow no other ops in their domain)."""

@@ -8,6 +8,7 @@ autoload hook having registered ``torch.npu``.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, TypeVar
 
@@ -35,6 +36,71 @@ def soc_generation(soc_name: str) -> str:
     if "910b" in name:
         return "a2"
     return "other"
+
+
+#: ``[start, end)`` of each generation in torch_npu's ``c10_npu::SocVersion`` enum
+#: (torch_npu/csrc/core/npu/NpuVariables.h: Ascend910B1 = 220 .. Ascend910B4_1, Ascend910_9391 = 250 ..
+#: Ascend910_9363, Ascend950 = 260), the number ``torch_npu.npu.get_soc_version()`` returns; torch_npu's
+#: own SoC checks use the same bounds (``>= 260`` Ascend 950, ``>= 250`` A3, ``220 <= v < 240`` A2)
+SOC_VERSION_GENERATIONS: tuple[tuple[int, int, str], ...] = ((260, 1 << 31, "950"), (250, 260, "a3"), (220, 240, "a2"))
+
+
+def generation_from_soc_version(version: int) -> str | None:
+    """The SoC generation of a ``c10_npu::SocVersion`` number; None for ``UnsupportedSocVersion`` (-1)."""
+    if version < 0:
+        return None
+    for start, end, gen in SOC_VERSION_GENERATIONS:
+        if start <= version < end:
+            return gen
+    return "other"  # 910A family (100-104), 310P (200-205), 310B (240-243)
+
+
+@dataclass(frozen=True)
+class SocInfo:
+    """An NPU's SoC generation and what torch_npu reported it from (for reasons and logs)."""
+
+    generation: str
+    source: str
+
+
+def detect_soc(npu: Any, index: int = 0) -> SocInfo:
+    """The SoC of NPU ``index`` from the ``torch_npu.npu`` module ``npu``.
+
+    ``get_soc_version()`` first: torch_npu's parsed SoC enum does not depend on
+    how a CANN release spells the marketing name. The device name is the
+    fallback, for a torch_npu without ``get_soc_version``, one that fails, or
+    one that answers ``UnsupportedSocVersion``.
+    """
+    get_version = getattr(npu, "get_soc_version", None)
+    if get_version is not None:
+        try:
+            version = int(get_version())
+        except Exception:
+            version = -1
+        gen = generation_from_soc_version(version)
+        if gen is not None:
+            return SocInfo(gen, f"SocVersion {version}")
+    name = str(npu.get_device_name(index))
+    return SocInfo(soc_generation(name), name)
+
+
+_SOC_CACHE: dict[tuple[Any, int], SocInfo] = {}
+
+
+def cached_soc(npu: Any, index: int = 0) -> SocInfo:
+    """:func:`detect_soc`, once per ``torch_npu.npu`` module and device (ops ask on every call).
+
+    The key holds the module itself, not its id, so a stand-in freed later cannot alias a new one;
+    an unhashable stand-in is asked every time.
+    """
+    key = (npu, index)
+    try:
+        hash(key)
+    except TypeError:
+        return detect_soc(npu, index)
+    if key not in _SOC_CACHE:
+        _SOC_CACHE[key] = detect_soc(npu, index)
+    return _SOC_CACHE[key]
 
 
 def features_for_generation(gen: str) -> dict[str, bool]:
@@ -67,13 +133,13 @@ class AscendDevice(Device):
         _npu().set_device(index)
 
     def generation(self) -> str:
-        """``"950"``, ``"a3"``, ``"a2"`` or ``"other"`` for the selected NPU."""
-        return soc_generation(_npu().get_device_name(self.index))
+        """``"950"``, ``"a3"``, ``"a2"`` or ``"other"`` for the selected NPU (see :func:`detect_soc`)."""
+        return detect_soc(_npu(), self.index).generation
 
     def capabilities(self) -> DeviceCapabilities:
         npu = _npu()
         soc = npu.get_device_name(self.index)
-        gen = soc_generation(soc)
+        gen = detect_soc(npu, self.index).generation
         feats = features_for_generation(gen)
         dtypes = [torch.float32, torch.float16]
         if feats["bf16"]:

@@ -11,6 +11,12 @@ Where each op runs is decided at call time (see :meth:`AscendKernels.paths`):
 - otherwise, and for every op named in ``DEEPINFER_ASCEND_DISABLE``, the
   reference runs (plain torch, on whatever device the tensors are on).
 
+A fused op that raises (a RuntimeError from an op the SoC or the CANN release
+does not have, a TypeError from a changed signature) never fails a generation:
+the op's reference result is returned, one warning line on the
+``deepinfer.ascend`` logger names the op and the error, and that op runs the
+reference from then on.
+
 ``strict`` changes only the "otherwise": a strict kernel set raises
 ``NotSupportedError("needs torch_npu: …")`` (or "needs Triton-Ascend") instead
 of quietly running the reference, so conformance reports those ops
@@ -23,8 +29,9 @@ torch_npu and Triton are imported only when an op needs them.
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
-from typing import Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import torch
 
@@ -34,6 +41,8 @@ from .launch import KERNEL_DTYPES, is_disabled, on_npu, triton_can_run
 from .npu import load_torch_npu
 
 R = TypeVar("R")
+
+log = logging.getLogger("deepinfer.ascend")
 
 TRITON = "triton-ascend"
 
@@ -57,8 +66,14 @@ class AscendKernels(Kernels):
         "mhc_head": TRITON,
     }
 
-    def __init__(self, strict: bool = False) -> None:
+    def __init__(self, strict: bool = False, torch_npu: Any = None) -> None:
+        """``torch_npu``: where the fused ops come from. None (the default) imports the real torch_npu on
+        first use and runs its ops on NPU tensors only; an object given here (a stand-in in tests, a wrapped
+        build) is used as it is, on tensors of any device."""
         self.strict = strict
+        self._torch_npu = torch_npu
+        #: op -> the one-line error that sent it to the reference for good
+        self.failed: dict[str, str] = {}
 
     @classmethod
     def paths(cls) -> dict[str, str]:
@@ -67,16 +82,27 @@ class AscendKernels(Kernels):
 
     def for_conformance(self) -> "AscendKernels":
         """The strict view conformance checks: ops that cannot run here are not_supported, not the reference."""
-        return type(self)(strict=True)
+        return type(self)(strict=True, torch_npu=self._torch_npu)
 
     # -- routing -------------------------------------------------------------
 
+    def _npu_module(self) -> tuple[Any, str | None]:
+        """The module the fused ops come from: the one given to the constructor, else the real torch_npu."""
+        if self._torch_npu is not None:
+            return self._torch_npu, None
+        return load_torch_npu()
+
     def _fused(self, op: str, tensors: tuple[torch.Tensor, ...], fused: Callable[[ModuleType], R], reference: Callable[[], R]) -> R:
-        """Run ``fused(torch_npu)`` when it can run here, else the reference (or raise when strict)."""
-        if is_disabled(op):
+        """Run ``fused(torch_npu)`` when it can run here, else the reference (or raise when strict).
+
+        An error from the fused op other than ``NotSupportedError`` (which is about these inputs only)
+        sends ``op`` to the reference for good, with one warning line; a strict set raises it instead,
+        so conformance reports it.
+        """
+        if is_disabled(op) or (op in self.failed and not self.strict):
             return reference()
-        module, reason = load_torch_npu()
-        if module is None or not on_npu(*tensors):
+        module, reason = self._npu_module()
+        if module is None or (self._torch_npu is None and not on_npu(*tensors)):
             if not self.strict:
                 return reference()
             where = reason if module is None else f"the tensors are on {tensors[0].device.type}, not an NPU"
@@ -87,6 +113,18 @@ class AscendKernels(Kernels):
             if self.strict:
                 raise
             return reference()
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._give_up(op, exc)
+            return reference()
+
+    def _give_up(self, op: str, exc: Exception) -> None:
+        """Record that ``op``'s fused path raised and say so in one warning line."""
+        lines = str(exc).strip().splitlines()
+        self.failed[op] = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+        log.warning("ascend: %s (%s) raised %s; %s runs the reference from now on",
+                    op, self._PATHS[op], self.failed[op], op)
 
     def _triton(self, op: str, tensors: tuple[torch.Tensor, ...], kernel: Callable[[], R], reference: Callable[[], R]) -> R:
         """Run the Triton-Ascend ``kernel`` when it can run here, else the reference (or raise when strict)."""
@@ -141,7 +179,7 @@ class AscendKernels(Kernels):
         return self._fused("moe_route", (logits,), lambda tn: npu_ops.moe_route_sigmoid(tn, logits, bias, top_k, routed_scaling, renormalize), reference)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-        """``npu_clipped_swiglu`` (``npu_swiglu`` without a limit; see ``npu_ops.swiglu_packed``)."""
+        """``npu_clipped_swiglu`` on A2/A3 (``npu_swiglu`` without a limit or on Ascend 950; see ``npu_ops.swiglu_packed``)."""
         reference = lambda: super(AscendKernels, self).swiglu(gate, up, limit)  # noqa: E731
         if gate.numel() == 0:
             return reference()

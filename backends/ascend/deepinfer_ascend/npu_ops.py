@@ -37,7 +37,13 @@ import torch
 from deepinfer_interfaces import NotSupportedError
 from deepinfer_interfaces.kernels.moe import router_scores
 
+from .device import cached_soc
+
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+#: SoC generations torch_npu documents ``npu_clipped_swiglu`` for ("支持的型号: Atlas A2 推理系列产品
+#: Atlas A3 推理系列产品" in torch_npu 2.13.0's op reference); Ascend 950 raises a RuntimeError
+CLIPPED_SWIGLU_GENERATIONS = frozenset({"a2", "a3"})
 
 
 def _need(cond: bool, what: str) -> None:
@@ -46,7 +52,7 @@ def _need(cond: bool, what: str) -> None:
 
 
 def rms_norm(tn: ModuleType, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``torch_npu.npu_rms_norm(self, gamma, epsilon=1e-06) -> (Tensor y, Tensor rstd)``.
+    """``torch_npu.npu_rms_norm(input, gamma, epsilon=1e-06) -> (Tensor y, Tensor rstd)``.
 
     ``y = x / sqrt(mean(x²) + eps) · gamma`` in the dtype of ``x``; A2/A3 accept
     an fp32 ``gamma`` with fp16/bf16 ``x`` (V4 keeps norm weights in fp32), so
@@ -97,9 +103,9 @@ def rope(tn: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 def moe_route_sigmoid(
     tn: ModuleType, logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_scaling: float, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert choice by ``torch_npu.npu_moe_gating_top_k(x, k, *, bias=None, k_group=1,
-    group_count=1, group_select_mode=0, renorm=0, norm_type=0, out_flag=False,
-    routed_scaling_factor=1.0, eps=1e-20) -> (y, expert_idx int32, norm_out)``.
+    """Expert choice by ``torch_npu.npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None,
+    tid2eid=None, k_group=1, group_count=1, group_select_mode=0, renorm=0, norm_type=0,
+    out_flag=False, routed_scaling_factor=1.0, eps=1e-20) -> (y, expert_idx int32, norm_out)``.
 
     With ``norm_type=1`` it picks the top-k of ``sigmoid(x) + bias``: our choice
     for sigmoid scoring. Its ``y`` is the *biased* score renormalised, whereas
@@ -137,17 +143,28 @@ def swiglu_packed(tn: ModuleType, h: torch.Tensor, limit: float | None) -> torch
     alpha=1.702, limit=7.0, bias=1.0, interleaved=True) -> Tensor`` computes
     ``A.clamp(max=limit) · sigmoid(alpha·A') · (B.clamp(−limit, limit) + bias)``;
     ``alpha=1, bias=0, interleaved=False`` (front/back halves) is exactly V4's
-    ``silu(min(gate, limit)) · clamp(up, −limit, limit)``. Without a limit, or on
-    a torch_npu without ``npu_clipped_swiglu``: the clamps in torch, then
+    ``silu(min(gate, limit)) · clamp(up, −limit, limit)``. The op is documented
+    for Atlas A2/A3 only, so it runs only where :func:`clipped_swiglu_fits`.
+    Without a limit, on Ascend 950 (or an unknown SoC), or on a torch_npu without
+    ``npu_clipped_swiglu``: the clamps in torch, then
     ``torch_npu.npu_swiglu(input, dim=-1) -> Tensor`` (``silu(A) · B``, no clamp).
     """
     h = h.contiguous()
-    if limit is not None and hasattr(tn, "npu_clipped_swiglu"):
+    if limit is not None and clipped_swiglu_fits(tn, h.device):
         return tn.npu_clipped_swiglu(h, dim=-1, alpha=1.0, limit=float(limit), bias=0.0, interleaved=False)
     if limit is not None:
         i = h.shape[-1] // 2
         h = torch.cat([h[..., :i].clamp(max=limit), h[..., i:].clamp(min=-limit, max=limit)], dim=-1)
     return tn.npu_swiglu(h, dim=-1)
+
+
+def clipped_swiglu_fits(tn: ModuleType, device: torch.device) -> bool:
+    """Whether ``tn`` has ``npu_clipped_swiglu`` and torch_npu documents it for the SoC of ``device``
+    (A2/A3, generation per ``device.detect_soc``; a ``tn`` without ``npu``: SoC unknown, so no)."""
+    npu = getattr(tn, "npu", None)
+    if npu is None or not hasattr(tn, "npu_clipped_swiglu"):
+        return False
+    return cached_soc(npu, device.index or 0).generation in CLIPPED_SWIGLU_GENERATIONS
 
 
 def swiglu(tn: ModuleType, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:

@@ -53,7 +53,7 @@ import torch
 
 from deepinfer_interfaces import NotSupportedError, QuantizedWeight
 
-from .device import features_for_generation, soc_generation
+from .device import cached_soc, features_for_generation
 from .npu_ops import swiglu_packed
 
 #: activation dtypes the FP8 paths take (fp32 needs a tighter bound than e4m3 activations meet)
@@ -65,9 +65,6 @@ GB_GROUPS = (1, 128, 128)
 #: most groups (experts) one grouped matmul takes
 MAX_GROUPS = 1024
 
-_FP8_SOC: dict[tuple[Any, int], tuple[bool, str]] = {}
-
-
 def _need(cond: bool, what: str) -> None:
     if not cond:
         raise NotSupportedError(what)
@@ -76,16 +73,12 @@ def _need(cond: bool, what: str) -> None:
 def require_fp8_soc(tn: ModuleType, device: torch.device) -> None:
     """Raise ``NotSupportedError`` unless ``device`` is an Ascend 950 (the generation with FP8/MX matmuls).
 
-    The SoC comes from ``torch_npu.npu.get_device_name(index)``, once per device.
+    The SoC comes from ``torch_npu.npu.get_soc_version()`` (the device name as
+    the fallback), once per device (see ``device.detect_soc``).
     """
-    index = device.index or 0
-    key = (tn, index)
-    if key not in _FP8_SOC:
-        name = str(tn.npu.get_device_name(index))
-        gen = soc_generation(name)
-        _FP8_SOC[key] = (features_for_generation(gen)["fp8"], f"{name} (generation {gen})")
-    ok, what = _FP8_SOC[key]
-    _need(ok, f"{what} has no FP8/MX matmul; block-scaled FP8 GEMMs exist on Ascend 950 only")
+    soc = cached_soc(tn.npu, device.index or 0)
+    _need(features_for_generation(soc.generation)["fp8"],
+          f"{soc.source} (generation {soc.generation}) has no FP8/MX matmul; block-scaled FP8 GEMMs exist on Ascend 950 only")
 
 
 def _e8m0(tn: ModuleType) -> Any:
@@ -156,7 +149,8 @@ def quantize_mx(tn: ModuleType, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """``x`` ``[M, K]`` as e4m3 codes and e8m0 scales ``[M, ceil(K/64), 2]`` (one per 32 columns).
 
     ``torch_npu.npu_dynamic_mx_quant(input, *, axis=-1, round_mode="rint",
-    dst_type=..., block_size=32, scale_alg=0, dst_type_max=0.0) -> (y, mxscale)``
+    dst_type=296, block_size=32, scale_alg=0, dst_type_max=0.0, max_low_bound=0.0)
+    -> (y, mxscale)`` (``dst_type`` is an ``int`` in the schema; a torch dtype converts to its ScalarType number)
     (Ascend 950; mxscale as uint8 bytes, groups even-padded with 0).
     ``scale_alg=1`` takes each group's amax / 448 and rounds the exponent up, so
     no value saturates: DeepSeek's own UE8M0 activation scaling.
@@ -189,7 +183,7 @@ def _check_activations(x: torch.Tensor) -> None:
 def fp8_linear(tn: ModuleType, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``Kernels.fp8_linear`` through ``torch_npu.npu_quant_matmul(x1, x2, scale, *,
     offset=None, pertoken_scale=None, bias=None, output_dtype=None, x1_dtype=None,
-    x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None) -> Tensor``.
+    x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None, y_scale=None) -> Tensor``.
 
     ``x2`` is the logical ``[K, N]`` weight: the stored ``[N, K]`` codes
     transposed as a view, with the weight scales transposed the same way (the op
