@@ -10,6 +10,8 @@ all-to-all path, which follows the Communicator contract exactly.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -18,6 +20,8 @@ from deepinfer_interfaces.distributed import TorchDistributedCommunicator
 
 from . import fused_dispatch
 from .npu import load_torch_npu
+
+log = logging.getLogger("deepinfer.ascend")
 
 
 class AscendCommunicator(TorchDistributedCommunicator):
@@ -42,14 +46,35 @@ class AscendCommunicator(TorchDistributedCommunicator):
 
         return cached_soc(npu_namespace(), self.device.index or 0).generation
 
-    def _moe_group_name(self) -> str:
-        """The HCCL name of a group reserved for the fused ops (they allow no other ops in their domain)."""
+    def _window_problem(self, module, window_mb: int) -> str | None:
+        """Why this rank cannot give the fused ops' group its communication window (None: it can): the
+        window is reserved twice (send and receive) in device memory the first time the group is made."""
+        if getattr(self, "_moe_group", None) is not None:
+            return None
+        refused = getattr(self, "_window_refused", None)
+        if refused is None:
+            free, _ = module.npu.mem_get_info()
+            refused = ""
+            if free < 2 * window_mb * fused_dispatch.MB:
+                refused = (f"the fused MoE dispatch needs 2 x {window_mb} MB of HCCL window but {free // fused_dispatch.MB} MB "
+                           f"are free: MoE runs the all-to-all path (lower {fused_dispatch.MAX_TOKENS_ENV} to fit)")
+                log.warning(f"ascend: {refused}")
+            self._window_refused = refused
+        return refused or None
+
+    def _moe_group_name(self, module, window_mb: int) -> str:
+        """The HCCL name of a group reserved for the fused ops (they allow no other ops in their domain), made
+        with a ``window_mb`` communication window in its own ``hccl_config`` (it takes precedence over
+        ``HCCL_BUFFSIZE``, whose 200 MB default is far too small)."""
         if getattr(self, "_moe_group", None) is None:  # subgroups are built without __init__
+            options = module._C._distributed_c10d.ProcessGroupHCCL.Options()
+            options.hccl_config = {"hccl_buffer_size": window_mb}
+            log.info(f"fused MoE dispatch: HCCL window {window_mb} MB per rank")
             if self.group is None:
-                self._moe_group = dist.new_group(list(range(self.world_size)), backend="hccl")
+                self._moe_group = dist.new_group(list(range(self.world_size)), backend="hccl", pg_options=options)
             else:
                 members = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
-                self._moe_group = dist.new_group(members, backend="hccl", use_local_synchronization=True)
+                self._moe_group = dist.new_group(members, backend="hccl", use_local_synchronization=True, pg_options=options)
         backend = self._moe_group._get_backend(torch.device("npu"))
         return backend.get_hccl_comm_name(dist.get_rank())
 
@@ -65,7 +90,15 @@ class AscendCommunicator(TorchDistributedCommunicator):
         module = self._fused_module()
         if module is None or capacity is not None:  # the fixed layout is the base class's
             return super().dispatch(hidden, topk_ids, topk_weights, expert_rank, expert_local, capacity)
-        problem = fused_dispatch.local_problem(self._generation(), self.world_size, hidden, topk_ids, expert_rank, expert_local)
+        gen = self._generation()
+        problem = fused_dispatch.local_problem(gen, self.world_size, hidden, topk_ids, expert_rank, expert_local)
+        window_mb = 0
+        if problem is None:
+            window_mb = fused_dispatch.hccl_buffer_mb(
+                gen, fused_dispatch.planned_tokens(gen), self.world_size, int(expert_rank.shape[0]), int(topk_ids.shape[1]),
+                int(hidden.shape[1]),
+            )
+            problem = self._window_problem(module, window_mb)
         # every rank must take the same path: agree on eligibility and the largest batch in one all-reduce
         vote = torch.tensor([0 if problem else 1, -int(topk_ids.shape[0])], dtype=torch.int64, device=self.device)
         self.all_reduce(vote, op="min")
@@ -73,8 +106,8 @@ class AscendCommunicator(TorchDistributedCommunicator):
             return super().dispatch(hidden, topk_ids, topk_weights, expert_rank, expert_local)
         global_bs = -int(vote[1]) * self.world_size
         recv_hidden, ids, weights, handle = fused_dispatch.dispatch(
-            module, hidden, topk_ids, topk_weights, int(expert_rank.shape[0]), self._moe_group_name(),
-            self.rank, self.world_size, global_bs,
+            module, hidden, topk_ids, topk_weights, int(expert_rank.shape[0]), self._moe_group_name(module, window_mb),
+            self.rank, self.world_size, global_bs, gen,
         )
         return DispatchResult(recv_hidden, ids, weights, handle)
 

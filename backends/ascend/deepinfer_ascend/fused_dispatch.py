@@ -19,7 +19,17 @@ on Ascend 950), EP world size in the supported set, bf16/fp16 hidden states
 (A2: hidden <= 7168 and a multiple of 32; A3: exactly 7168), 0 < tokens <=
 256 (A2) / 512 (A3), k <= 16 (A2) / 8 (A3), at most 512 experts placed in
 contiguous equal blocks per rank (A2: at most 24 per rank), and every slot a
-valid, distinct expert. Otherwise the base all-to-all path runs.
+valid, distinct expert, and at most the tokens its buffer was planned for.
+Otherwise the base all-to-all path runs.
+
+The ops exchange data through their HCCL communicator's window, whose size
+CANN documents per generation (``hccl_buffer_mb``); the 200 MB default holds
+far less than a V4 decode batch. The dedicated group is created with that
+size in its ``hccl_config`` (a per-communicator setting that takes precedence
+over ``HCCL_BUFFSIZE``), planned for ``DEEPINFER_ASCEND_FUSED_MAX_TOKENS``
+tokens per rank (default: the op's documented most). On A2 the dispatch takes
+the routing weights and ``combine`` gets back the ``expand_scales`` it returns,
+as CANN requires there.
 """
 
 from __future__ import annotations
@@ -32,6 +42,9 @@ import torch
 from deepinfer_interfaces import DispatchHandle
 
 FUSED_ENV = "DEEPINFER_ASCEND_FUSED_DISPATCH"
+#: tokens per rank the fused ops' communication window is planned for (default: the op's documented most)
+MAX_TOKENS_ENV = "DEEPINFER_ASCEND_FUSED_MAX_TOKENS"
+MB = 1 << 20
 
 #: documented limits of npu_moe_distribute_dispatch/combine per SoC generation
 LIMITS: dict[str, dict] = {
@@ -43,6 +56,44 @@ MAX_EXPERTS = 512
 
 def fused_requested() -> bool:
     return os.environ.get(FUSED_ENV) == "1"
+
+
+def planned_tokens(gen: str) -> int:
+    """Tokens per rank the fused path serves on ``gen``: ``DEEPINFER_ASCEND_FUSED_MAX_TOKENS`` within the op's limit."""
+    most = LIMITS[gen]["max_tokens"] if gen in LIMITS else 0
+    raw = os.environ.get(MAX_TOKENS_ENV)
+    if not raw:
+        return most
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_TOKENS_ENV}={raw!r} is not an integer; give the most tokens per rank a fused dispatch carries") from None
+    if not 0 < value <= most:
+        raise ValueError(f"{MAX_TOKENS_ENV}={value} is outside (0, {most}], the fused dispatch's documented range on {gen}")
+    return value
+
+
+def _align(x: int, n: int) -> int:
+    return -(-x // n) * n
+
+
+def hccl_buffer_mb(gen: str, max_tokens: int, world: int, experts: int, k: int, hidden: int, shared_experts: int = 0) -> int:
+    """The communication window (MB) ``npu_moe_distribute_dispatch``/``_combine`` need, as CANN documents it for
+    bf16/fp16 tokens without quantisation:
+
+    - A2 (full-mesh): ``2 · (BS · ep · min(local experts, K) · H · 2 B + 2 MB)``;
+    - A3: ``2 · (local experts · BS · ep · Align512(Align32(2H) + 64) + (K + shared) · BS · Align512(2H))``
+      (some CANN releases write 44 for the 64; the larger is kept).
+    """
+    local = experts // world
+    if gen == "a2":
+        need = 2 * (max_tokens * world * min(local, k) * hidden * 2 + 2 * MB)
+    elif gen == "a3":
+        need = 2 * (local * max_tokens * world * _align(_align(2 * hidden, 32) + 64, 512)
+                    + (k + shared_experts) * max_tokens * _align(2 * hidden, 512))
+    else:
+        raise ValueError(f"the fused MoE dispatch has no documented window on SoC generation {gen}")
+    return max(2, -(-need // MB))
 
 
 def _hidden_ok(gen: str, h: int) -> bool:
@@ -63,6 +114,8 @@ def local_problem(
     tokens, k = topk_ids.shape
     if not (0 < tokens <= lim["max_tokens"] and 0 < k <= lim["max_k"]):
         return f"{tokens} tokens with k={k} are outside 0 < tokens <= {lim['max_tokens']}, k <= {lim['max_k']}"
+    if tokens > planned_tokens(gen):
+        return f"{tokens} tokens exceed the {planned_tokens(gen)} the communication window is planned for ({MAX_TOKENS_ENV})"
     experts = expert_rank.shape[0]
     if experts > MAX_EXPERTS or experts % world:
         return f"{experts} experts do not split evenly over {world} ranks within {MAX_EXPERTS}"
@@ -95,11 +148,13 @@ class FusedDispatchHandle(DispatchHandle):
     global_bs: int = 0
     ep_rank: int = 0
     ep_world: int = 0
+    #: the per-row weights dispatch returned, which combine needs back on A2 (None elsewhere)
+    expand_scales: torch.Tensor | None = None
 
 
 def dispatch(
     tn, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    moe_expert_num: int, group_name: str, rank: int, world: int, global_bs: int,
+    moe_expert_num: int, group_name: str, rank: int, world: int, global_bs: int, gen: str = "a3",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, FusedDispatchHandle]:
     """Send each (token, expert) row to the expert's rank.
 
@@ -113,12 +168,15 @@ def dispatch(
     ``x`` ``[BS, H]``, ``expert_ids`` int32 ``[BS, K]``; ``expand_x`` ``[A, H]``
     holds the received rows grouped by local expert, ``expert_token_nums``
     (``expert_token_nums_type=1``) how many rows each local expert got.
-    No quantisation, no TP domain, no shared-expert ranks.
+    No quantisation, no TP domain, no shared-expert ranks. On A2 (``gen``) the routing weights go in as
+    ``expert_scales`` and the ``expand_scales`` that come out are kept for ``combine``, as CANN requires there.
     """
     expert_ids = topk_ids.to(torch.int32).contiguous()
-    expand_x, _, expand_idx, expert_token_nums, ep_recv_counts, tp_recv_counts, _ = tn.npu_moe_distribute_dispatch(
+    scales = topk_weights.float().contiguous()
+    a2 = gen == "a2"
+    expand_x, _, expand_idx, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales = tn.npu_moe_distribute_dispatch(
         hidden.contiguous(), expert_ids, group_name, world, rank, moe_expert_num,
-        quant_mode=0, global_bs=global_bs, expert_token_nums_type=1,
+        expert_scales=scales if a2 else None, quant_mode=0, global_bs=global_bs, expert_token_nums_type=1,
     )
     counts = expert_token_nums.to(torch.int64)
     received = int(counts.sum())
@@ -131,9 +189,10 @@ def dispatch(
     handle = FusedDispatchHandle(
         send_token_index=torch.empty(0, dtype=torch.int64, device=hidden.device),
         send_splits=[], recv_splits=[received], num_tokens=hidden.shape[0],
-        expert_ids=expert_ids, expert_scales=topk_weights.float().contiguous(), expand_idx=expand_idx,
+        expert_ids=expert_ids, expert_scales=scales, expand_idx=expand_idx,
         ep_recv_counts=ep_recv_counts, tp_recv_counts=tp_recv_counts, expand_rows=expand_x.shape[0],
         group_name=group_name, moe_expert_num=moe_expert_num, global_bs=global_bs, ep_rank=rank, ep_world=world,
+        expand_scales=expand_scales if a2 else None,
     )
     return expand_x[:received], ids, weights, handle
 
@@ -156,5 +215,5 @@ def combine(tn, hidden: torch.Tensor, handle: FusedDispatchHandle) -> torch.Tens
     return tn.npu_moe_distribute_combine(
         padded, handle.expert_ids, handle.expand_idx, handle.ep_recv_counts, handle.expert_scales,
         handle.group_name, handle.ep_world, handle.ep_rank, handle.moe_expert_num,
-        tp_send_counts=handle.tp_recv_counts, global_bs=handle.global_bs,
+        tp_send_counts=handle.tp_recv_counts, expand_scales=handle.expand_scales, global_bs=handle.global_bs,
     )
