@@ -71,7 +71,7 @@ DECODE=$?
 if [ $DECODE -eq 0 ]; then DECODE_MSG="ran"; else DECODE_MSG="ERROR (exit $DECODE)"; fi
 
 banner "end to end: greedy generation, --backend cuda vs --backend cpu"
-"$PY" benchmarks/cuda_e2e.py ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"}
+"$PY" benchmarks/backend_e2e.py --backend cuda ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"}
 E2E=$?
 if [ $E2E -eq 0 ]; then E2E_MSG="tokens match"; else E2E_MSG="FAIL (exit $E2E)"; STATUS=1; fi
 

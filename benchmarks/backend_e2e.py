@@ -1,17 +1,18 @@
-"""End-to-end check: greedy generation on ``--backend cuda`` against ``--backend cpu``, token by token.
+"""End-to-end check: greedy generation on an accelerator backend (``--backend cuda`` or ``ascend``) against ``--backend cpu``, token by token.
 
 Without ``--model`` it builds a tiny random DeepSeek-V4 checkpoint with
 transformers (every layer type, hash and learned routing), so it needs no
 download. Both runs use fp32, where the Triton kernels and the reference
 agree to rounding and greedy tokens must match exactly; the script also
-reports how far the chosen tokens' log-probabilities differ, and (for
-information only) how many tokens a bf16 run on the CUDA backend shares with
-the fp32 reference. Exits 1 when the fp32 tokens differ.
+reports how far the chosen tokens' log-probabilities differ, (for
+information only) how many tokens a bf16 run on the backend shares with the
+fp32 reference, and whether its graph replays give eager's tokens. Exits 1
+when the fp32 tokens differ.
 
-    python benchmarks/cuda_e2e.py [--model DIR] [--max-tokens 16] [--interpret]
+    python benchmarks/backend_e2e.py [--backend cuda|ascend] [--model DIR] [--max-tokens 16] [--interpret]
 
-``--interpret`` runs the CUDA backend's kernels on CPU tensors through Triton's
-interpreter (slow; for machines without a GPU).
+``--interpret`` runs the backend's Triton kernels on CPU tensors through
+Triton's interpreter (slow; for machines without the device).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def _generate(model: str, prompts, backend: str, dtype: str, max_tokens: int, in
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="cuda", help="the backend checked against cpu (default: cuda)")
     parser.add_argument("--model", help="HF-layout checkpoint directory (default: a tiny random checkpoint)")
     parser.add_argument("--prompt", action="append", help="prompt text (repeatable; default: three token-id prompts)")
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -78,37 +80,38 @@ def main(argv: list[str] | None = None) -> int:
             prompts = args.prompt or prompts
         # a small cache for the tiny model (the interpreter copies every pool at each launch); the engine's default otherwise
         cache_bytes = None if args.model else 8 << 20
-        # the CUDA run captures decode graphs (the device's default); an eager run checks them
-        cuda_tokens, cuda_lp, cuda_s = _generate(model, prompts, "cuda", "float32", args.max_tokens, args.interpret, cache_bytes)
+        # the device run captures decode graphs (the device's default); an eager run checks them
+        dev_tokens, dev_lp, dev_s = _generate(model, prompts, args.backend, "float32", args.max_tokens, args.interpret, cache_bytes)
         cpu_tokens, cpu_lp, cpu_s = _generate(model, prompts, "cpu", "float32", args.max_tokens, False, cache_bytes)
         bf16_tokens = eager_tokens = None
         if not args.interpret:
-            bf16_tokens, _, _ = _generate(model, prompts, "cuda", "bfloat16", args.max_tokens, False, cache_bytes)
-            eager_tokens, _, eager_s = _generate(model, prompts, "cuda", "float32", args.max_tokens, False, cache_bytes, enforce_eager=True)
+            bf16_tokens, _, _ = _generate(model, prompts, args.backend, "bfloat16", args.max_tokens, False, cache_bytes)
+            eager_tokens, _, eager_s = _generate(model, prompts, args.backend, "float32", args.max_tokens, False, cache_bytes, enforce_eager=True)
 
     print(f"model: {args.model or 'tiny random DeepSeek-V4 (transformers)'}; {len(prompts)} prompts, {args.max_tokens} greedy tokens each")
-    print(f"time: cuda {cuda_s:.2f}s, cpu {cpu_s:.2f}s")
-    for i, (a, b) in enumerate(zip(cuda_tokens, cpu_tokens)):
-        print(f"  prompt {i}: {'match' if a == b else 'DIFFER'}  cuda {a}")
+    name = args.backend
+    print(f"time: {name} {dev_s:.2f}s, cpu {cpu_s:.2f}s")
+    for i, (a, b) in enumerate(zip(dev_tokens, cpu_tokens)):
+        print(f"  prompt {i}: {'match' if a == b else 'DIFFER'}  {name} {a}")
         if a != b:
             print(f"            cpu  {b}")
-    same = cuda_tokens == cpu_tokens
+    same = dev_tokens == cpu_tokens
     lp_diff = max(
-        (abs(x - y) for a, b in zip(cuda_lp, cpu_lp) for x, y in zip(a, b)), default=0.0
+        (abs(x - y) for a, b in zip(dev_lp, cpu_lp) for x, y in zip(a, b)), default=0.0
     ) if same else float("nan")
-    print(f"fp32 greedy tokens, cuda vs cpu: {'MATCH' if same else 'MISMATCH'} (chosen-token logprob max diff {lp_diff:.2e})")
+    print(f"fp32 greedy tokens, {name} vs cpu: {'MATCH' if same else 'MISMATCH'} (chosen-token logprob max diff {lp_diff:.2e})")
     if bf16_tokens is not None:
         agree = sum(x == y for a, b in zip(bf16_tokens, cpu_tokens) for x, y in zip(a, b))
         total = sum(len(b) for b in cpu_tokens)
-        print(f"bf16 cuda vs fp32 cpu (information only; rounding may flip near-ties): {agree}/{total} tokens agree")
-    graphs_match = eager_tokens is None or eager_tokens == cuda_tokens
+        print(f"bf16 {name} vs fp32 cpu (information only; rounding may flip near-ties): {agree}/{total} tokens agree")
+    graphs_match = eager_tokens is None or eager_tokens == dev_tokens
     if eager_tokens is not None:
-        print(f"fp32 cuda graph mode vs eager: {'MATCH' if graphs_match else 'MISMATCH'} (eager {eager_s:.2f}s)")
+        print(f"fp32 {name} graph mode vs eager: {'MATCH' if graphs_match else 'MISMATCH'} (eager {eager_s:.2f}s)")
     if args.json:
         import json
 
-        print(json.dumps({"benchmark": "cuda_e2e", "match": same, "graphs_match": graphs_match, "cuda_seconds": cuda_s,
-                          "cpu_seconds": cpu_s, "logprob_max_diff": lp_diff}))
+        print(json.dumps({"benchmark": "backend_e2e", "backend": name, "match": same, "graphs_match": graphs_match,
+                          "device_seconds": dev_s, "cpu_seconds": cpu_s, "logprob_max_diff": lp_diff}))
     return 0 if same and graphs_match else 1
 
 
