@@ -1,6 +1,10 @@
 """Where an Ascend op runs, decided per call: torch_npu fused op, Triton-Ascend kernel, or the reference.
 
-This module never imports torch_npu or Triton. It reads two environment
+It also plans each Triton-Ascend launch's block sizes from the unified-buffer
+budget of the SoC generation (``UNIFIED_BUFFERS``, ``fit_blocks``, ``require_fit``).
+
+This module never imports torch_npu or Triton (``v4_flash_plans`` imports the
+kernel modules when called). It reads two environment
 variables: ``TRITON_INTERPRET=1`` (Triton kernels run on CPU tensors through the
 interpreter) and ``DEEPINFER_ASCEND_DISABLE`` (a comma-separated list of ops,
 or ``all``, that run the reference instead of their fused op or Triton kernel,
@@ -9,9 +13,14 @@ for bisecting a numerical problem op by op).
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from deepinfer_interfaces import NotSupportedError
 
 #: dtypes the Triton-Ascend kernels load and store (others run the reference)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -77,3 +86,215 @@ def next_power_of_2(n: int) -> int:
 def block(n: int, cap: int, floor: int = 1) -> int:
     """A power-of-two block covering ``n`` (at least ``floor``), at most ``cap``."""
     return max(floor, min(next_power_of_2(n), cap))
+
+
+# ---- the unified buffer (UB) budget ------------------------------------------------------
+#
+# A Triton-Ascend program keeps every tile it loads or computes in its vector core's unified
+# buffer, and the compiler fails with "ub overflow" when they do not fit (blocks tuned on a
+# 950 overflow an A2, triton-ascend#442). Each launcher sizes its blocks from the budget of
+# its SoC generation and refuses a shape that cannot fit even at the smallest blocks.
+
+KiB = 1024
+
+#: every reduction runs along the last axis of a tile at least this wide (masked padding that
+#: cannot change the result): triton-ascend#2247 reports 2-D reductions with an inner extent < 8
+#: dropping lanes on Ascend 950 and padding to 8 fixing it; 16 is one 32-byte UB block at 2 bytes
+REDUCE_MIN = 16
+
+#: copies of each tl.load'ed tile: triton-ascend's ``multibuffer`` compile option (on by default,
+#: docs/en/migration_guide/architecture_difference.md) double-buffers loads so the next load
+#: overlaps this compute
+LOAD_BUFFERS = 2
+
+#: UB allocations are 32-byte aligned (CANN Ascend C memory management: "Unified Buffer: 32Byte对齐")
+UB_ALIGN = 32
+
+
+@dataclass(frozen=True)
+class UnifiedBuffer:
+    """One SoC generation's vector-core UB: its size and the part a Triton-Ascend kernel is planned in."""
+
+    generation: str
+    physical_bytes: int
+    budget_bytes: int
+    source: str
+
+
+#: the UB of one AIV (vector) core per SoC generation
+UNIFIED_BUFFERS: dict[str, UnifiedBuffer] = {
+    "a2": UnifiedBuffer(
+        "a2", 192 * KiB, 192 * KiB,
+        "triton-ascend third_party/ascend/backend/runtime/utils.py (ub_size_in_kbytes = 192 for Ascend910B); "
+        "triton-ascend#302 on 910B3: 'ub overflow, requires … while 1572864 bits available' (= 192 KiB)",
+    ),
+    "a3": UnifiedBuffer(
+        "a3", 192 * KiB, 192 * KiB,
+        "triton-ascend runtime/utils.py: Ascend910_93 keeps the 192 KiB default",
+    ),
+    "950": UnifiedBuffer(
+        "950", 256 * KiB, 216 * KiB,
+        "triton-ascend runtime/utils.py (ub_size_in_kbytes = 256 for Ascend910_95 / Ascend950); CANN "
+        "GetRuntimeUBSize on 950PR/950DT: 248 KB for SIMD kernels, 216 KB where SIMD and SIMT mix "
+        "(gathers may lower to SIMT), so the plan uses 216 KiB",
+    ),
+}
+
+#: the budget a launch is planned in where the generation is unknown (the interpreter, another SoC)
+SMALLEST_UB = min(UNIFIED_BUFFERS.values(), key=lambda ub: ub.budget_bytes)
+
+
+def unified_buffer(device: torch.device) -> UnifiedBuffer:
+    """The UB a launch on ``device`` is planned for: its NPU's generation's, else the smallest."""
+    if device.type == "npu" and not interpreting():
+        try:
+            from .device import cached_soc
+            from .npu import npu_namespace
+
+            generation = cached_soc(npu_namespace(), device.index or 0).generation
+        except Exception:
+            generation = "other"
+        if generation in UNIFIED_BUFFERS:
+            return UNIFIED_BUFFERS[generation]
+    return SMALLEST_UB
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One tile a kernel holds in UB: a tl.load'ed tile counts ``LOAD_BUFFERS`` times."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    loaded: bool = False
+
+    @property
+    def bytes(self) -> int:
+        raw = math.prod(self.shape) * self.itemsize
+        return -(-raw // UB_ALIGN) * UB_ALIGN * (LOAD_BUFFERS if self.loaded else 1)
+
+    def describe(self) -> str:
+        return f"{self.name}[{'×'.join(map(str, self.shape))}] {self.bytes / KiB:.1f} KiB"
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """The block sizes of one launch and the UB its tiles take.
+
+    The footprint is the sum of every tile in the kernel body, live or not, so
+    it bounds what the compiler's memory planning (which reuses dead buffers)
+    can allocate from above.
+    """
+
+    kernel: str
+    shape: str
+    blocks: dict[str, int]
+    tiles: tuple[Tile, ...]
+    ub: UnifiedBuffer
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.tiles)
+
+    @property
+    def fits(self) -> bool:
+        return self.bytes <= self.ub.budget_bytes
+
+    def describe(self) -> str:
+        blocks = ", ".join(f"{k}={v}" for k, v in self.blocks.items())
+        return f"{self.kernel} ({self.shape}): {self.bytes / KiB:.1f} KiB of {self.ub.budget_bytes // KiB} KiB ({blocks})"
+
+
+class UbBudgetError(NotSupportedError):
+    """A launch whose tiles cannot fit the vector core's UB even at the smallest blocks."""
+
+
+def fit_blocks(
+    kernel: str,
+    shape: str,
+    ub: UnifiedBuffer,
+    start: dict[str, int],
+    floors: dict[str, int],
+    tiles: Callable[[dict[str, int]], tuple[Tile, ...]],
+) -> TilePlan:
+    """The largest blocks from ``start`` whose ``tiles`` fit ``ub``, halving the widest shrinkable block
+    (never below its floor) until they do; the smallest plan when none fits (``require_fit`` refuses it)."""
+    blocks = dict(start)
+    while True:
+        plan = TilePlan(kernel, shape, blocks, tiles(blocks), ub)
+        shrinkable = [a for a, v in blocks.items() if v > floors.get(a, 1)]
+        if plan.fits or not shrinkable:
+            return plan
+        axis = max(shrinkable, key=lambda a: blocks[a])
+        blocks = {**blocks, axis: blocks[axis] // 2}
+
+
+def require_fit(plan: TilePlan) -> TilePlan:
+    """``plan`` when its tiles fit its UB budget; else a ``UbBudgetError`` that names the biggest tiles."""
+    if plan.fits:
+        return plan
+    biggest = ", ".join(t.describe() for t in sorted(plan.tiles, key=lambda t: -t.bytes)[:3])
+    blocks = ", ".join(f"{k}={v}" for k, v in plan.blocks.items())
+    raise UbBudgetError(
+        f"{plan.kernel} ({plan.shape}) does not fit the unified buffer of an Ascend {plan.ub.generation} vector core: "
+        f"its tiles need {plan.bytes / KiB:.1f} KiB of {plan.ub.budget_bytes // KiB} KiB even at the smallest blocks "
+        f"({blocks}); largest: {biggest}. Run the reference for it: {DISABLE_ENV}={plan.kernel}"
+    )
+
+
+@dataclass(frozen=True)
+class V4Shapes:
+    """The DeepSeek-V4-Flash figures that size the Triton-Ascend tiles (its config.json)."""
+
+    hidden: int = 4096
+    hc_mult: int = 4
+    head_dim: int = 512
+    index_heads: int = 64
+    index_head_dim: int = 128
+    csa_ratio: int = 4
+    hca_ratio: int = 128
+    max_positions: int = 1048576
+
+
+V4_FLASH = V4Shapes()
+
+
+def v4_flash_plans(generation: str, dtype: torch.dtype = torch.bfloat16, shapes: V4Shapes = V4_FLASH) -> list[TilePlan]:
+    """Every Triton-Ascend launch V4-Flash makes, planned for ``generation``'s UB (imports the kernels, so Triton).
+
+    Activations and pools in ``dtype``; mHC weights, ``post``/``comb`` and the compressor's
+    position bias in fp32, as the model keeps them. Indexer candidates: every compressed
+    entry of a full-length context.
+    """
+    from .triton_ascend_compressor import plan_compress_kv
+    from .triton_ascend_indexer import plan_indexer_scores
+    from .triton_ascend_mhc import plan_mhc_post, plan_mhc_pre
+
+    ub = UNIFIED_BUFFERS[generation]
+    s = shapes
+    return [
+        plan_mhc_pre(s.hc_mult, s.hidden, dtype, ub),
+        plan_mhc_pre(s.hc_mult, s.hidden, dtype, ub, head=True),
+        plan_mhc_post(s.hc_mult, s.hidden, dtype, ub),
+        plan_indexer_scores(s.index_heads, s.index_head_dim, s.max_positions // s.csa_ratio, dtype, ub),
+        plan_compress_kv(s.csa_ratio, s.head_dim, True, dtype, torch.float32, ub),
+        plan_compress_kv(s.hca_ratio, s.head_dim, False, dtype, torch.float32, ub),
+        plan_compress_kv(s.csa_ratio, s.index_head_dim, True, dtype, torch.float32, ub),
+    ]
+
+
+def footprint_table(dtype: torch.dtype = torch.bfloat16) -> str:
+    """A markdown table of each V4-Flash launch's UB footprint and blocks, one column per UB budget (for the docs)."""
+    by_budget: dict[int, list[str]] = {}
+    for gen, ub in UNIFIED_BUFFERS.items():
+        by_budget.setdefault(ub.budget_bytes, []).append(gen)
+    columns = [(gens, v4_flash_plans(gens[0], dtype)) for gens in by_budget.values()]
+    head = " | ".join(f"{' / '.join(gens)} ({UNIFIED_BUFFERS[gens[0]].budget_bytes // KiB} KiB)" for gens, _ in columns)
+    rows = [f"| kernel (V4-Flash shape) | {head} |", "|---|" + "---|" * len(columns)]
+    for i, plan in enumerate(columns[0][1]):
+        cells = []
+        for _, plans in columns:
+            p = plans[i]
+            cells.append(f"{p.bytes / KiB:.1f} KiB ({', '.join(f'{k}={v}' for k, v in p.blocks.items())})")
+        rows.append(f"| `{plan.kernel}` ({plan.shape}) | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

@@ -4,9 +4,26 @@
 fp32 torch matmul over all tokens (the cube unit on an NPU; one pass over
 ``fn`` instead of one per token), and the kernel does the rest per token: the
 RMS factor, the sigmoid gates, the softmax and Sinkhorn normalisation of the
-``n × n`` mixing matrix in registers, and the collapse ``Σ_j pre_j · x_j``.
-``mhc_post`` is one kernel per (token, channel-block) tile. Both use a 1-D grid
-of one program per vector core, fp32 math, and no atomics.
+``n × n`` mixing matrix, and the collapse ``Σ_j pre_j · x_j``. ``mhc_post`` is
+one kernel per (token, channel-block) tile. Both use a 1-D grid of one program
+per vector core, fp32 math, and no atomics.
+
+Written around reported triton-ascend miscompiles (github.com/triton-lang/triton-ascend):
+
+- #2291: ``tl.sum(acc, 0)`` over a 3-D tile reduces the wrong axis on 910B
+  (silently; reshaping first does not help). ``mhc_post`` used to reduce
+  ``comb[:, :, None] · x[:, None, :]`` over its leading axis; it now adds one
+  rank-1 update ``comb[j, :]ᵀ · x_j`` per input stream to a 2-D ``[k, d]`` tile,
+  with no reduction at all. Nothing here builds a 3-D tile.
+- #2247: 2-D reductions whose inner extent is below 8 drop lanes on Ascend 950.
+  The ``n × n`` Sinkhorn matrix (n = 4) is padded to ``REDUCE_MIN`` (16) per
+  axis with zeros, and held twice, as ``A[j, k]`` and its transpose ``B[k, j]``,
+  so both its row sums (over k, of A) and its column sums (over j, of B) are
+  last-axis reductions; each sum updates both copies, which stay exact
+  transposes. The RMS sum and the collapse use 1-D vectors of at least 16.
+
+Block sizes come from the UB budget of the SoC generation (``plan_mhc_pre``,
+``plan_mhc_post``; see ``launch.fit_blocks``).
 """
 
 from __future__ import annotations
@@ -15,7 +32,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import block, interpreting, next_power_of_2, program_count
+from .launch import (
+    REDUCE_MIN, Tile, TilePlan, UnifiedBuffer, block, fit_blocks, interpreting, next_power_of_2, program_count,
+    require_fit, unified_buffer,
+)
+
+#: widest 1-D block of the RMS pass and of the collapse (more buys nothing at V4's hidden 4096)
+BLOCK_CAP = 4096
+
+
+@triton.jit
+def _total(v):
+    """The sum of a 1-D vector (its only axis is its last)."""
+    return tl.sum(v, axis=0)
 
 
 @triton.jit
@@ -24,56 +53,73 @@ def _mhc_pre_kernel(
     T, N, D, ITERS,
     stride_xt, stride_mt, stride_ct, stride_pt, stride_bt,
     norm_eps, hc_eps,
-    HEAD: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs_j = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_N)
-    j_ok = offs_j < N
-    k_ok = offs_k < N
-    pair_ok = j_ok[:, None] & k_ok[None, :]
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < N
+    pair_ok = g_ok[:, None] & g_ok[None, :]
+    F = N * D
     for t in range(pid, T, NUM_PROGRAMS):
         t64 = tl.cast(t, tl.int64)
         x_row = x_ptr + t64 * stride_xt
-        # RMS over the flattened streams
-        sq = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            xb = tl.load(x_row + offs_j[:, None] * D + offs_d[None, :], mask=j_ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
-            sq += xb * xb
-        rms = 1.0 / tl.sqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / (N * D) + norm_eps)
+        # RMS over the flattened streams, in 1-D blocks of the contiguous [n·D] row
+        sq = tl.zeros([BLOCK_F], dtype=tl.float32)
+        for f0 in range(0, F, BLOCK_F):
+            offs_f = f0 + tl.arange(0, BLOCK_F)
+            xf = tl.load(x_row + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
+            sq += xf * xf
+        rms = 1.0 / tl.sqrt(_total(sq) / F + norm_eps)
         mix_row = mix_ptr + t64 * stride_mt
         s0 = tl.load(scale_ptr).to(tl.float32)
-        u_pre = tl.load(mix_row + offs_j, mask=j_ok, other=0.0).to(tl.float32) * rms
-        b_pre = tl.load(base_ptr + offs_j, mask=j_ok, other=0.0).to(tl.float32)
-        pre = tl.where(j_ok, tl.sigmoid(u_pre * s0 + b_pre) + hc_eps, 0.0)
+        u_pre = tl.load(mix_row + offs_g, mask=g_ok, other=0.0).to(tl.float32) * rms
+        b_pre = tl.load(base_ptr + offs_g, mask=g_ok, other=0.0).to(tl.float32)
+        pre = tl.where(g_ok, tl.sigmoid(u_pre * s0 + b_pre) + hc_eps, 0.0)
         if not HEAD:
             s1 = tl.load(scale_ptr + 1).to(tl.float32)
             s2 = tl.load(scale_ptr + 2).to(tl.float32)
-            u_post = tl.load(mix_row + N + offs_j, mask=j_ok, other=0.0).to(tl.float32) * rms
-            b_post = tl.load(base_ptr + N + offs_j, mask=j_ok, other=0.0).to(tl.float32)
+            u_post = tl.load(mix_row + N + offs_g, mask=g_ok, other=0.0).to(tl.float32) * rms
+            b_post = tl.load(base_ptr + N + offs_g, mask=g_ok, other=0.0).to(tl.float32)
             post = 2.0 * tl.sigmoid(u_post * s1 + b_post)
-            tl.store(post_ptr + t64 * stride_pt + offs_j, post, mask=j_ok)
-            pair = 2 * N + offs_j[:, None] * N + offs_k[None, :]
-            u_comb = tl.load(mix_row + pair, mask=pair_ok, other=0.0).to(tl.float32) * rms
-            b_comb = tl.load(base_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)
-            logits = tl.where(k_ok[None, :], u_comb * s2 + b_comb, float("-inf"))
-            logits = logits - tl.max(logits, axis=1)[:, None]
-            e = tl.exp(logits)
-            comb = tl.where(pair_ok, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
-            # Sinkhorn: columns (sum over j) first, then rows and columns ITERS-1 times
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+            tl.store(post_ptr + t64 * stride_pt + offs_g, post, mask=g_ok)
+            # the mixing matrix as A[j, k] and as B[k, j] = A[j, k], zero-padded to BLOCK_G × BLOCK_G
+            at_a = 2 * N + offs_g[:, None] * N + offs_g[None, :]
+            at_b = 2 * N + offs_g[None, :] * N + offs_g[:, None]
+            u_a = tl.load(mix_row + at_a, mask=pair_ok, other=0.0).to(tl.float32) * rms
+            b_a = tl.load(base_ptr + at_a, mask=pair_ok, other=0.0).to(tl.float32)
+            u_b = tl.load(mix_row + at_b, mask=pair_ok, other=0.0).to(tl.float32) * rms
+            b_b = tl.load(base_ptr + at_b, mask=pair_ok, other=0.0).to(tl.float32)
+            la = tl.where(pair_ok, u_a * s2 + b_a, float("-inf"))
+            lb = tl.where(pair_ok, u_b * s2 + b_b, float("-inf"))
+            # softmax over k: A's rows; a padded row has max 0 and denominator 1
+            top = tl.where(g_ok, tl.max(la, axis=1), 0.0)
+            ea = tl.exp(la - top[:, None])
+            eb = tl.exp(lb - top[None, :])
+            den = tl.where(g_ok, tl.sum(ea, axis=1), 1.0)
+            a = tl.where(pair_ok, ea / den[:, None] + hc_eps, 0.0)
+            b = tl.where(pair_ok, eb / den[None, :] + hc_eps, 0.0)
+            # Sinkhorn: columns (Σ_j, B's rows) first, then rows (Σ_k, A's rows) and columns ITERS-1 times
+            col = tl.sum(b, axis=1) + hc_eps
+            a = a / col[None, :]
+            b = b / col[:, None]
             for _ in range(ITERS - 1):
-                comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-                comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-            tl.store(comb_ptr + t64 * stride_bt + offs_j[:, None] * N + offs_k[None, :], comb, mask=pair_ok)
-        # collapse: Σ_j pre_j · x_j
+                row = tl.sum(a, axis=1) + hc_eps
+                a = a / row[:, None]
+                b = b / row[None, :]
+                col = tl.sum(b, axis=1) + hc_eps
+                a = a / col[None, :]
+                b = b / col[:, None]
+            tl.store(comb_ptr + t64 * stride_bt + offs_g[:, None] * N + offs_g[None, :], a, mask=pair_ok)
+        # collapse: Σ_j pre_j · x_j, one stream at a time (pre_j picked out of the padded gate vector)
         out_row = collapsed_ptr + t64 * stride_ct
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
-            xb = tl.load(x_row + offs_j[:, None] * D + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            y = tl.sum(pre[:, None] * xb, axis=0)
+            y = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for j in range(N):
+                pre_j = _total(tl.where(offs_g == j, pre, 0.0))
+                xj = tl.load(x_row + j * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                y += pre_j * xj
             tl.store(out_row + offs_d, y.to(collapsed_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -85,20 +131,21 @@ def _mhc_post_kernel(
     NUM_PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs_j = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_N)
-    j_ok = offs_j < N
     k_ok = offs_k < N
     d_blocks = tl.cdiv(D, BLOCK_D)
     for tile in range(pid, T * d_blocks, NUM_PROGRAMS):
         t = tl.cast(tile // d_blocks, tl.int64)
         offs_d = (tile % d_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        comb = tl.load(comb_ptr + t * stride_ct + offs_j[:, None] * N + offs_k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        # Σ_j comb[j, k] · x_j[d] as n rank-1 updates of the [k, d] tile: no reduction
+        mixed = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for j in range(N):
+            c_j = tl.load(comb_ptr + t * stride_ct + j * N + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            x_j = tl.load(x_ptr + t * stride_xt + j * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            mixed += c_j[:, None] * x_j[None, :]
         post = tl.load(post_ptr + t * stride_pt + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + t * stride_yt + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + t * stride_xt + offs_j[:, None] * D + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [k, d]
         out = post[:, None] * y[None, :] + mixed
         tl.store(
             out_ptr + t * stride_ot + offs_k[:, None] * D + offs_d[None, :],
@@ -107,13 +154,76 @@ def _mhc_post_kernel(
         )
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def plan_mhc_pre(n: int, d: int, dtype: torch.dtype, ub: UnifiedBuffer, *, head: bool = False, interpret: bool = False) -> TilePlan:
+    """Blocks of ``_mhc_pre_kernel`` for ``n`` streams of ``d`` channels in ``dtype`` within ``ub``.
+
+    ``BLOCK_G`` (gates and the padded Sinkhorn matrix) is fixed at ``max(16, n)``;
+    ``BLOCK_F`` (the RMS pass, a reduced axis, at least 16) and ``BLOCK_D`` (the
+    collapse) shrink until the tiles fit. Under the interpreter both start small
+    so small shapes still loop.
+    """
+    g = max(REDUCE_MIN, next_power_of_2(n))
+    xs = _itemsize(dtype)
+
+    def tiles(b: dict[str, int]) -> tuple[Tile, ...]:
+        bf, bd = b["BLOCK_F"], b["BLOCK_D"]
+        out = [
+            Tile("x", (bf,), xs, loaded=True), Tile("x fp32", (bf,), 4), Tile("x²", (bf,), 4), Tile("sq", (bf,), 4),
+            Tile("f mask", (bf,), 1),
+            Tile("u_pre", (g,), 4, loaded=True), Tile("b_pre", (g,), 4, loaded=True), Tile("pre", (g,), 4),
+            Tile("pre_j pick", (g,), 4),
+            Tile("x_j", (bd,), xs, loaded=True), Tile("x_j fp32", (bd,), 4), Tile("pre_j·x_j", (bd,), 4),
+            Tile("y", (bd,), 4), Tile("y out", (bd,), xs), Tile("d mask", (bd,), 1),
+        ]
+        if not head:
+            out += [Tile("u_post", (g,), 4, loaded=True), Tile("b_post", (g,), 4, loaded=True), Tile("post", (g,), 4)]
+            out += [Tile(name, (g, g), 4, loaded=True) for name in ("u_comb A", "b_comb A", "u_comb B", "b_comb B")]
+            out += [Tile(name, (g, g), 4) for name in ("logits A", "logits B", "exp A", "exp B", "A", "B")]
+            out += [Tile("offsets A", (g, g), 4), Tile("offsets B", (g, g), 4), Tile("pair mask", (g, g), 1)]
+        return tuple(out)
+
+    f_cap, d_cap = (2 * REDUCE_MIN, 8) if interpret else (BLOCK_CAP, BLOCK_CAP)
+    start = {"BLOCK_G": g, "BLOCK_F": block(n * d, f_cap, REDUCE_MIN), "BLOCK_D": block(d, d_cap)}
+    floors = {"BLOCK_G": g, "BLOCK_F": REDUCE_MIN}
+    name = "mhc_head" if head else "mhc_pre"
+    return fit_blocks(name, f"n={n}, D={d}, {str(dtype).removeprefix('torch.')}", ub, start, floors, tiles)
+
+
+def plan_mhc_post(n: int, d: int, dtype: torch.dtype, ub: UnifiedBuffer, *, interpret: bool = False) -> TilePlan:
+    """Blocks of ``_mhc_post_kernel`` (no reduction: ``BLOCK_N`` covers the streams, ``BLOCK_D`` shrinks to fit)."""
+    bn = next_power_of_2(n)
+    xs = _itemsize(dtype)
+
+    def tiles(b: dict[str, int]) -> tuple[Tile, ...]:
+        bd = b["BLOCK_D"]
+        return (
+            Tile("comb row", (bn,), 4, loaded=True), Tile("post", (bn,), 4, loaded=True),
+            Tile("x_j", (bd,), xs, loaded=True), Tile("x_j fp32", (bd,), 4),
+            Tile("y", (bd,), xs, loaded=True), Tile("y fp32", (bd,), 4),
+            Tile("mixed", (bn, bd), 4), Tile("rank-1 update", (bn, bd), 4), Tile("post·y", (bn, bd), 4),
+            Tile("out", (bn, bd), 4), Tile("out cast", (bn, bd), xs), Tile("out mask", (bn, bd), 1),
+            Tile("out offsets", (bn, bd), 4),
+        )
+
+    start = {"BLOCK_N": bn, "BLOCK_D": block(d, 8 if interpret else BLOCK_CAP)}
+    return fit_blocks("mhc_post", f"n={n}, D={d}, {str(dtype).removeprefix('torch.')}", ub, start, {"BLOCK_N": bn}, tiles)
+
+
 def _mix(x: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     """``flatten(x) @ fnᵀ`` in fp32 for every token at once (the RMS factor is applied in the kernel)."""
     return x.reshape(x.shape[0], -1).float() @ fn.float().t()
 
 
-def _launch_pre(x, fn, base, scale, norm_eps, hc_eps, iters, head):
+def _launch_pre(
+    x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    norm_eps: float, hc_eps: float, iters: int, head: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t, n, d = x.shape
+    plan = require_fit(plan_mhc_pre(n, d, x.dtype, unified_buffer(x.device), head=head, interpret=interpreting()))
     x = x.contiguous()
     mix = _mix(x, fn).contiguous()
     base = base.float().contiguous()
@@ -122,7 +232,6 @@ def _launch_pre(x, fn, base, scale, norm_eps, hc_eps, iters, head):
     post = torch.empty(t, n, dtype=torch.float32, device=x.device)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=x.device)
     programs = program_count(x.device)
-    block_n = next_power_of_2(n)
     _mhc_pre_kernel[(programs,)](
         x, mix, base, scale, collapsed, post, comb,
         t, n, d, int(iters),
@@ -130,8 +239,7 @@ def _launch_pre(x, fn, base, scale, norm_eps, hc_eps, iters, head):
         float(norm_eps), float(hc_eps),
         HEAD=head,
         NUM_PROGRAMS=programs,
-        BLOCK_N=block_n,
-        BLOCK_D=block(d, 8 if interpreting() else max(16, 2048 // block_n)),
+        **plan.blocks,
     )
     return collapsed, post, comb
 
@@ -149,19 +257,18 @@ def mhc_head(x, fn, base, scale, norm_eps, hc_eps) -> torch.Tensor:
 def mhc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``Kernels.mhc_post`` for fp32/fp16/bf16 ``x`` with at least one token."""
     t, n, d = x.shape
+    plan = require_fit(plan_mhc_post(n, d, x.dtype, unified_buffer(x.device), interpret=interpreting()))
     x = x.contiguous()
     y = y if y.stride(-1) == 1 else y.contiguous()
     post = post.contiguous()
     comb = comb.contiguous()
     out = torch.empty(t, n, d, dtype=x.dtype, device=x.device)
     programs = program_count(x.device)
-    block_n = next_power_of_2(n)
     _mhc_post_kernel[(programs,)](
         y, x, post, comb, out,
         t, n, d,
         y.stride(0), x.stride(0), post.stride(0), comb.stride(0), out.stride(0),
         NUM_PROGRAMS=programs,
-        BLOCK_N=block_n,
-        BLOCK_D=block(d, 8 if interpreting() else max(16, 4096 // (block_n * block_n))),
+        **plan.blocks,
     )
     return out
