@@ -5,9 +5,13 @@ Where each op runs is decided at call time (see :meth:`AscendKernels.paths`):
 - an op mapped to a torch_npu fused op runs it when torch_npu imports and the
   tensors are on an NPU, unless the fused op does not take the inputs (a
   dtype, a shape limit, the SoC: ``fp8_linear`` and ``moe_experts_quantized``
-  need the FP8/MX matmuls of Ascend 950, so A2/A3 run their reference);
+  need the FP8/MX matmuls of Ascend 950 and ``sparse_attention`` the sinks of
+  its ``npu_sparse_flash_attention``, so A2/A3 run their reference);
 - an op with a Triton-Ascend kernel runs it on NPU tensors (Triton-Ascend
   installed) or on CPU tensors under Triton's interpreter (``--interpret``);
+  on Ascend 950, ``indexer_scores``, ``mhc_pre`` and ``mhc_post`` run the SoC's
+  own fused op first where it takes the inputs, the Triton-Ascend kernel
+  otherwise (and after the fused op raised);
 - otherwise, and for every op named in ``DEEPINFER_ASCEND_DISABLE``, the
   reference runs (plain torch, on whatever device the tensors are on).
 
@@ -50,19 +54,22 @@ TRITON = "triton-ascend"
 class AscendKernels(Kernels):
     name = "ascend"
 
-    #: op -> where it runs on Ascend: ``torch_npu:<fused op>`` or ``triton-ascend``
+    #: op -> where it runs on Ascend: ``torch_npu:<fused op>``, ``triton-ascend``, or a Triton-Ascend kernel that
+    #: Ascend 950 replaces by its own fused op where the op takes the inputs: ``triton-ascend (950: torch_npu:<op>)``
     _PATHS: ClassVar[dict[str, str]] = {
         "rms_norm": "torch_npu:npu_rms_norm",
         "rope": "torch_npu:npu_rotary_mul",
         "moe_route": "torch_npu:npu_moe_gating_top_k",
+        "hash_route": "torch_npu:npu_moe_gating_top_k",
         "swiglu": "torch_npu:npu_clipped_swiglu",
         "moe_experts": "torch_npu:npu_grouped_matmul",
         "fp8_linear": "torch_npu:npu_quant_matmul",
         "moe_experts_quantized": "torch_npu:npu_grouped_matmul",
+        "sparse_attention": "torch_npu:npu_sparse_flash_attention",
         "compress_kv": TRITON,
-        "indexer_scores": TRITON,
-        "mhc_pre": TRITON,
-        "mhc_post": TRITON,
+        "indexer_scores": f"{TRITON} (950: torch_npu:npu_lightning_indexer)",
+        "mhc_pre": f"{TRITON} (950: torch_npu:npu_mhc_pre+npu_mhc_sinkhorn)",
+        "mhc_post": f"{TRITON} (950: torch_npu:npu_mhc_post)",
         "mhc_head": TRITON,
     }
 
@@ -123,15 +130,20 @@ class AscendKernels(Kernels):
         """Record that ``op``'s fused path raised and say so in one warning line."""
         lines = str(exc).strip().splitlines()
         self.failed[op] = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-        log.warning("ascend: %s (%s) raised %s; %s runs the reference from now on",
-                    op, self._PATHS[op], self.failed[op], op)
+        log.warning("ascend: %s (%s) raised %s; %s runs its fallback (%s) from now on",
+                    op, self._PATHS[op], self.failed[op], op, "the Triton-Ascend kernel" if TRITON in self._PATHS[op] else "the reference")
 
     def _triton(self, op: str, tensors: tuple[torch.Tensor, ...], kernel: Callable[[], R], reference: Callable[[], R]) -> R:
         """Run the Triton-Ascend ``kernel`` when it can run here, else the reference (or raise when strict)."""
         if is_disabled(op) or any(t.dtype not in KERNEL_DTYPES for t in tensors if t.is_floating_point()):
             return reference()
         if triton_can_run(*tensors):
-            return kernel()
+            try:
+                return kernel()
+            except NotSupportedError:  # e.g. tiles that cannot fit the unified buffer at these shapes
+                if self.strict:
+                    raise
+                return reference()
         if not self.strict:
             return reference()
         device = tensors[0].device.type
@@ -142,6 +154,16 @@ class AscendKernels(Kernels):
             f"needs torch_npu or the Triton interpreter: {op} is a Triton-Ascend kernel "
             f"({reason or 'the tensors are on ' + device}; CPU tensors run it under --interpret)"
         )
+
+    def _fused_module(self, tensors: tuple[torch.Tensor, ...]) -> Any | None:
+        """The module a fused op would run from for ``tensors`` (as ``_fused`` decides), None where none can run.
+
+        For the ops whose fused op comes before a Triton-Ascend kernel: inputs the fused op does not take go to
+        the kernel before ``_fused`` is asked, so a strict set does not report them not_supported."""
+        module, _ = self._npu_module()
+        if module is None or (self._torch_npu is None and not on_npu(*tensors)):
+            return None
+        return module
 
     # -- torch_npu fused ops -------------------------------------------------
 
@@ -178,6 +200,39 @@ class AscendKernels(Kernels):
 
         return self._fused("moe_route", (logits,), lambda tn: npu_ops.moe_route_sigmoid(tn, logits, bias, top_k, routed_scaling, renormalize), reference)
 
+    def hash_route(
+        self,
+        logits: torch.Tensor,
+        token_ids: torch.Tensor,
+        tid2eid: torch.Tensor,
+        routed_scaling: float,
+        scoring: str = "sqrtsoftplus",
+        renormalize: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hash mode of ``npu_moe_gating_top_k``, V4's sqrtsoftplus included (see ``npu_v4_ops.hash_route``)."""
+        reference = lambda: super(AscendKernels, self).hash_route(  # noqa: E731
+            logits, token_ids, tid2eid, routed_scaling, scoring, renormalize
+        )
+        if logits.shape[0] == 0:
+            return reference()
+        from . import npu_v4_ops
+
+        return self._fused(
+            "hash_route", (logits, token_ids),
+            lambda tn: npu_v4_ops.hash_route(tn, logits, token_ids, tid2eid, routed_scaling, scoring, renormalize), reference,
+        )
+
+    def sparse_attention(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``npu_sparse_flash_attention`` with sinks on Ascend 950 (see ``npu_v4_ops.sparse_attention``)."""
+        reference = lambda: super(AscendKernels, self).sparse_attention(q, kv, indices, sinks, scale)  # noqa: E731
+        if q.shape[0] == 0 or indices.shape[1] == 0 or kv.shape[0] == 0:
+            return reference()
+        from . import npu_v4_ops
+
+        return self._fused("sparse_attention", (q, kv), lambda tn: npu_v4_ops.sparse_attention(tn, q, kv, indices, sinks, scale), reference)
+
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
         """``npu_clipped_swiglu`` on A2/A3 (``npu_swiglu`` without a limit or on Ascend 950; see ``npu_ops.swiglu_packed``)."""
         reference = lambda: super(AscendKernels, self).swiglu(gate, up, limit)  # noqa: E731
@@ -196,7 +251,8 @@ class AscendKernels(Kernels):
         w2: torch.Tensor,
         limit: float | None,
     ) -> torch.Tensor:
-        """``npu_grouped_matmul`` twice around the clamped SwiGLU (see ``npu_ops.moe_experts``)."""
+        """``npu_grouped_matmul`` twice around the clamped SwiGLU, rows grouped by ``npu_moe_init_routing_v2`` on A2/A3
+        (see ``npu_ops.moe_experts``)."""
         reference = lambda: super(AscendKernels, self).moe_experts(x, topk_ids, topk_weights, w13, w2, limit)  # noqa: E731
         if x.shape[0] == 0:
             return reference()
@@ -259,7 +315,8 @@ class AscendKernels(Kernels):
     def indexer_scores(
         self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Relu-weighted multi-head scores over gathered keys (see ``triton_ascend_indexer``)."""
+        """Relu-weighted multi-head scores over gathered keys: ``npu_lightning_indexer`` on Ascend 950 where it
+        takes them (see ``npu_v4_ops.indexer_scores``), else the Triton-Ascend kernel (``triton_ascend_indexer``)."""
         reference = lambda: super(AscendKernels, self).indexer_scores(q, weights, keys, indices, scale)  # noqa: E731
         if q.shape[0] == 0 or indices.shape[1] == 0:
             return reference()
@@ -269,7 +326,13 @@ class AscendKernels(Kernels):
 
             return indexer_scores(q, weights, keys, indices, scale)
 
-        return self._triton("indexer_scores", (q, weights, keys), kernel, reference)
+        triton = lambda: self._triton("indexer_scores", (q, weights, keys), kernel, reference)  # noqa: E731
+        from . import npu_v4_ops
+
+        tn = self._fused_module((q, keys))
+        if tn is None or npu_v4_ops.indexer_scores_fits(tn, q, weights, keys, indices) is not None:
+            return triton()
+        return self._fused("indexer_scores", (q, keys), lambda tn: npu_v4_ops.indexer_scores(tn, q, weights, keys, indices, scale), triton)
 
     def mhc_pre(
         self,
@@ -281,7 +344,8 @@ class AscendKernels(Kernels):
         hc_eps: float,
         sinkhorn_iters: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gates, Sinkhorn and collapse per token after one fp32 mixing matmul (see ``triton_ascend_mhc``)."""
+        """Gates, Sinkhorn and collapse per token: ``npu_mhc_pre`` + ``npu_mhc_sinkhorn`` on Ascend 950 where they
+        take the inputs (see ``npu_v4_ops.mhc_pre``), else the Triton-Ascend kernel (``triton_ascend_mhc``)."""
         reference = lambda: super(AscendKernels, self).mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)  # noqa: E731
         if x.shape[0] == 0:
             return reference()
@@ -291,10 +355,19 @@ class AscendKernels(Kernels):
 
             return mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
 
-        return self._triton("mhc_pre", (x, fn), kernel, reference)
+        triton = lambda: self._triton("mhc_pre", (x, fn), kernel, reference)  # noqa: E731
+        from . import npu_v4_ops
+
+        tn = self._fused_module((x, fn))
+        if tn is None or npu_v4_ops.mhc_pre_fits(tn, x, fn, base, scale, sinkhorn_iters) is not None:
+            return triton()
+        return self._fused(
+            "mhc_pre", (x, fn), lambda tn: npu_v4_ops.mhc_pre(tn, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters), triton
+        )
 
     def mhc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """``post · y + combᵀ x`` per token and channel block (see ``triton_ascend_mhc``)."""
+        """``post · y + combᵀ x`` per token: ``npu_mhc_post`` on Ascend 950 where it takes the inputs (see
+        ``npu_v4_ops.mhc_post``), else the Triton-Ascend kernel per channel block (``triton_ascend_mhc``)."""
         reference = lambda: super(AscendKernels, self).mhc_post(y, x, post, comb)  # noqa: E731
         if x.shape[0] == 0:
             return reference()
@@ -304,7 +377,13 @@ class AscendKernels(Kernels):
 
             return mhc_post(y, x, post, comb)
 
-        return self._triton("mhc_post", (y, x, post, comb), kernel, reference)
+        triton = lambda: self._triton("mhc_post", (y, x, post, comb), kernel, reference)  # noqa: E731
+        from . import npu_v4_ops
+
+        tn = self._fused_module((y, x))
+        if tn is None or npu_v4_ops.mhc_post_fits(tn, y, x, post, comb) is not None:
+            return triton()
+        return self._fused("mhc_post", (y, x), lambda tn: npu_v4_ops.mhc_post(tn, y, x, post, comb), triton)
 
     def mhc_head(
         self,

@@ -7,29 +7,32 @@ A function raises ``NotSupportedError`` for inputs its fused op does not
 accept; the kernel set then runs the reference (or reports not_supported
 under conformance).
 
+The V4-specific fused ops (sparse attention with sinks, the lightning
+indexer, mHC, hash routing) have their glue in ``npu_v4_ops``.
+
 Ops deliberately left to the reference on the NPU, and why:
 
-- ``sparse_attention``: ``npu_fused_infer_attention_score`` and
-  ``npu_sparse_flash_attention`` have no attention-sink logit, and V4's
-  per-token gathered windows with ``-1`` holes anywhere in the row need a
-  per-token mask that their sparse modes do not express. (The sink could be
-  folded in afterwards from the returned LSE as ``out · sigmoid(lse − sink)``;
-  that needs the LSE layout verified on hardware first.)
-- ``moe_route`` with ``sqrtsoftplus`` or ``softmax`` scoring, and
-  ``hash_route``: ``npu_moe_gating_top_k`` applies only sigmoid (norm_type 1;
-  softmax is unsupported on Ascend 950 and older CANN), and adding the bias
-  after a different nonlinearity changes which experts win.
+- ``sparse_attention`` on A2/A3: ``npu_sparse_flash_attention`` takes
+  ``sinks`` on Ascend 950 only, and its softmax LSE output (to fold the sink in
+  afterwards) is documented for training only; ``npu_fused_infer_attention_score``
+  cannot express V4's per-token gathered rows.
+- ``moe_route`` with ``sqrtsoftplus`` or ``softmax`` scoring:
+  ``npu_moe_gating_top_k``'s top-k mode (aclnnMoeGatingTopK) documents
+  ``norm_type`` 0/1 only (softmax is unsupported on Ascend 950 and older CANN),
+  and adding the bias after a different nonlinearity changes which experts win.
+  ``sqrt(softplus)`` (``norm_type=2``) exists only in aclnnMoeGatingTopKV2,
+  which torch_npu calls in hash mode alone (see ``npu_v4_ops.hash_route``).
 - ``npu_interleave_rope`` is not used for RoPE: it de-interleaves its output
   into rotate-half layout and requires a 64-wide bf16/fp16 head, while V4
   keeps the interleaved layout in place.
-- ``npu_moe_init_routing_v2`` is not used for the expert permutation: how it
-  treats ``-1`` and out-of-range ids depends on ``active_expert_range`` and
-  its row-index type, which changed between CANN releases; one stable sort in
-  torch gives the same grouping with the contract's skip semantics.
+- ``npu_moe_init_routing_v2`` permutes the expert rows on A2/A3 only, the SoCs
+  its torch_npu reference documents; elsewhere one stable sort in torch gives
+  the same grouping (see :func:`expert_rows`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -44,6 +47,12 @@ _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 #: SoC generations torch_npu documents ``npu_clipped_swiglu`` for ("支持的型号: Atlas A2 推理系列产品
 #: Atlas A3 推理系列产品" in torch_npu 2.13.0's op reference); Ascend 950 raises a RuntimeError
 CLIPPED_SWIGLU_GENERATIONS = frozenset({"a2", "a3"})
+
+#: SoC generations torch_npu 2.13.0's op reference documents ``npu_moe_init_routing_v2`` for ("Supported
+#: Products: Atlas A3 ..., Atlas A2 ..., Atlas inference products"; Ascend 950 is not listed)
+INIT_ROUTING_GENERATIONS = frozenset({"a2", "a3"})
+#: "expert_num ... In other modes, the value range is [0, 10240]"
+INIT_ROUTING_MAX_EXPERTS = 10240
 
 
 def _need(cond: bool, what: str) -> None:
@@ -189,6 +198,74 @@ def _grouped_matmul(tn: ModuleType, x: torch.Tensor, w: torch.Tensor, counts: to
     )[0]
 
 
+@dataclass(frozen=True)
+class ExpertRows:
+    """The (token, slot) pairs with a local expert, grouped by expert: what the grouped matmuls read."""
+
+    #: ``[rows, D]`` the token features, in expert order
+    x: torch.Tensor
+    #: ``[rows]`` int64 ``token · k + slot`` of each row (weights and the scatter back read it)
+    source: torch.Tensor
+    #: ``[E]`` int64 rows per expert (``group_list`` in count mode)
+    counts: torch.Tensor
+
+
+def init_routing_fits(tn: ModuleType, x: torch.Tensor, num_experts: int) -> bool:
+    """Whether ``npu_moe_init_routing_v2`` permutes ``x``'s rows here: ``tn`` has it, the SoC is one its
+    reference documents (A2/A3), and the experts are within its limit."""
+    npu = getattr(tn, "npu", None)
+    if npu is None or not hasattr(tn, "npu_moe_init_routing_v2") or num_experts > INIT_ROUTING_MAX_EXPERTS:
+        return False
+    return cached_soc(npu, x.device.index or 0).generation in INIT_ROUTING_GENERATIONS
+
+
+def _init_routing_rows(
+    tn: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor, rows: int, num_experts: int
+) -> ExpertRows:
+    """The rows by ``torch_npu.npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None,
+    active_num=-1, expert_capacity=-1, expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0,
+    expert_tokens_num_flag=False, quant_mode=-1, active_expert_range=[], row_idx_type=0,
+    x_dtype=None) -> (expanded_x, expanded_row_idx, expert_token_cumsum_or_count, expanded_scale)``.
+
+    Dropless (``drop_pad_mode=0``), unquantised (``quant_mode=-1``), count mode
+    (``expert_tokens_num_type=1``: ``[E]`` int64 rows per expert), scatter indices
+    (``row_idx_type=1``: ``expanded_row_idx[i]`` is the flattened ``token · k +
+    slot`` of row ``i`` and ``expanded_x[i] = x[expanded_row_idx[i] // k]``).
+    The gap: V4 skips ``-1`` and ids of other ranks' experts, the op takes ids
+    ``<= expert_num`` and counts only those in ``active_expert_range``; skipped
+    ids become ``E`` with the range ``[0, E)``, so the first ``rows`` (the
+    "available_idx_num") outputs are exactly the contract's pairs and the rest
+    are never read. The op does not promise an order within an expert; nothing
+    here needs one. Source: op-plugin
+    ``docs/en/custom_APIs/torch_npu/torch_npu-npu_moe_init_routing_v2.md`` (branch 26.1.0).
+    """
+    t, k = topk_ids.shape
+    ids = torch.where(valid.view(t, k), topk_ids, torch.full_like(topk_ids, num_experts)).to(torch.int32).contiguous()
+    expanded_x, expanded_row_idx, counts, _ = tn.npu_moe_init_routing_v2(
+        x.contiguous(), ids, expert_num=num_experts, drop_pad_mode=0, expert_tokens_num_type=1,
+        expert_tokens_num_flag=True, quant_mode=-1, active_expert_range=[0, num_experts], row_idx_type=1,
+    )
+    return ExpertRows(expanded_x[:rows], expanded_row_idx[:rows].to(torch.int64), counts.to(torch.int64))
+
+
+def expert_rows(tn: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> ExpertRows | None:
+    """The (token, slot) pairs with an expert in ``[0, E)``, grouped by expert; None when there are none.
+
+    ``npu_moe_init_routing_v2`` where :func:`init_routing_fits`, else one stable
+    sort in torch (skipped pairs sort after every expert)."""
+    flat = topk_ids.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    rows = int(valid.sum())
+    if rows == 0:
+        return None
+    if init_routing_fits(tn, x, num_experts):
+        return _init_routing_rows(tn, x, topk_ids, valid, rows, num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    source = torch.sort(key, stable=True).indices[:rows]
+    counts = torch.bincount(flat[valid], minlength=num_experts).to(torch.int64)
+    return ExpertRows(x[source // topk_ids.shape[1]].contiguous(), source, counts)
+
+
 def moe_experts(
     tn: ModuleType,
     x: torch.Tensor,
@@ -198,10 +275,10 @@ def moe_experts(
     w2: torch.Tensor,
     limit: float | None,
 ) -> torch.Tensor:
-    """Grouped clamped-SwiGLU experts: a stable sort groups the (token, slot)
-    rows by expert (``-1`` and out-of-range ids dropped), two grouped matmuls
-    and the clamped SwiGLU run per group, and the weighted rows are summed back
-    per token in fp32."""
+    """Grouped clamped-SwiGLU experts: the (token, slot) rows grouped by expert
+    (``-1`` and out-of-range ids dropped; :func:`expert_rows`), two grouped
+    matmuls and the clamped SwiGLU run per group, and the weighted rows are
+    summed back per token in fp32."""
     num_experts = w13.shape[0]
     _need(x.dtype in _FLOAT and w13.dtype == x.dtype and w2.dtype == x.dtype,
           f"npu_grouped_matmul needs x, w13 and w2 in one of fp32/fp16/bf16 (got {x.dtype}, {w13.dtype}, {w2.dtype})")
@@ -209,19 +286,12 @@ def moe_experts(
     t, d = x.shape
     k = topk_ids.shape[1]
     out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
-    flat = topk_ids.reshape(-1)
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
-    order = torch.sort(key, stable=True).indices
-    rows = int(valid.sum())
-    if rows == 0:
+    rows = expert_rows(tn, x, topk_ids, num_experts)
+    if rows is None:
         return out.to(x.dtype)
-    order = order[:rows]
-    tokens = order // k
-    counts = torch.bincount(flat[valid], minlength=num_experts).to(torch.int64)
-    h = _grouped_matmul(tn, x[tokens].contiguous(), w13, counts)
+    h = _grouped_matmul(tn, rows.x, w13, rows.counts)
     act = swiglu_packed(tn, h, limit)
-    y = _grouped_matmul(tn, act.contiguous(), w2, counts)
-    w = topk_weights.reshape(-1)[order].float()
-    out.index_add_(0, tokens, y.float() * w[:, None])
+    y = _grouped_matmul(tn, act.contiguous(), w2, rows.counts)
+    w = topk_weights.reshape(-1)[rows.source].float()
+    out.index_add_(0, rows.source // k, y.float() * w[:, None])
     return out.to(x.dtype)
