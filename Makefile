@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.deepinfer-installed
 
-.PHONY: run test test-fast setup
+.PHONY: run test test-fast setup compile-check
 
 setup: $(STAMP)
 
@@ -27,3 +27,7 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# every CUDA Triton kernel compiled ahead of time for sm_90 and sm_100 at the launchers' configurations (no GPU needed)
+compile-check: $(STAMP)
+	DEEPINFER_COMPILE_SWEEP=1 $(BIN)/python -m pytest -q tests/test_cuda_compile.py

@@ -7,6 +7,7 @@ a kernel may run before any Triton module is loaded.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Sequence, TypeVar
 
 import torch
@@ -37,6 +38,26 @@ def autotune_configs(gpu: Sequence[T], interpreter: T) -> list[T]:
     return [interpreter] if interpreting() else list(gpu)
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """What a launcher picks for one launch: block-size constexprs and, unless autotuned, warps and stages.
+
+    Each launcher gets its picks from a ``*_tiles`` function of the sizes, and
+    ``compile_check`` compiles those same picks ahead of time, so what CI
+    compiles for sm_90 / sm_100 is what a GPU launches.
+    """
+
+    blocks: dict[str, int | bool] = field(default_factory=dict)
+    #: None: the autotune config's (autotuned kernels) or Triton's default
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def kwargs(self) -> dict[str, int | bool]:
+        """The launch keyword arguments: the block constexprs, then the options that are set."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return {**self.blocks, **{k: v for k, v in options.items() if v is not None}}
+
+
 def next_power_of_2(n: int) -> int:
     """Smallest power of two ``>= n`` (1 for ``n <= 1``)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
@@ -46,6 +67,10 @@ def num_warps_for(elements: int) -> int:
     """Warps for a program that holds ``elements`` values at once: about 8 per thread, 1 to 16 warps."""
     return max(1, min(16, next_power_of_2(elements) // 256))
 
+
+#: the most shared memory one block may use on sm_90 and sm_100 (232448 bytes: 228 KB per SM less the
+#: 1 KB the driver reserves per block; CUDA C++ Programming Guide, "Technical Specifications per Compute Capability")
+SHARED_MEMORY_PER_BLOCK = 227 * 1024
 
 #: dtypes the Triton kernels load and store; fp64 accumulates in fp64 like the reference.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

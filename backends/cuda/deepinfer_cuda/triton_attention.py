@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import autotune_configs, choose, next_power_of_2, unit_inner
-from .triton_common import dot_operands, splits_for
+from .launch import Tiles, autotune_configs, choose, next_power_of_2, unit_inner
+from .triton_common import dot_operands, split_count, target_programs
 
 #: log2(e): scores and sinks are kept in the log2 domain so the softmax uses exp2
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -135,6 +135,27 @@ def _merge_slices_kernel(
     tl.store(o_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def attention_tiles(heads: int, dim: int) -> Tiles:
+    """A block of up to 16 heads (one MMA's rows) and the whole head dim, the reduction of q·kᵀ
+    (at least 16: ``tl.dot`` needs that for 16-bit operands); ``BLOCK_N``, warps and stages are autotuned."""
+    block_h = choose(16, 4) if heads >= 16 else max(1, min(next_power_of_2(heads), choose(16, 4)))
+    return Tiles({"BLOCK_H": block_h, "BLOCK_D": max(16, next_power_of_2(dim))})
+
+
+def merge_tiles(heads: int, dim: int) -> Tiles:
+    """The slice merge takes the attention kernel's head and channel blocks."""
+    return Tiles(attention_tiles(heads, dim).blocks, num_warps=choose(4, 1))
+
+
+def attention_slices(tokens: int, heads: int, k: int, target: int) -> tuple[int, int]:
+    """``(splits, slice_len)``: each token's ``k`` indices cut into slices (multiples of ``_SLICE_QUANTUM``)
+    when tokens × head blocks fall short of ``target`` programs (decode), else one slice of all of them."""
+    head_blocks = triton.cdiv(heads, attention_tiles(heads, 1).blocks["BLOCK_H"])
+    splits = split_count(tokens * head_blocks, k, 2 * _SLICE_QUANTUM, target)
+    slice_len = triton.cdiv(triton.cdiv(k, splits), _SLICE_QUANTUM) * _SLICE_QUANTUM
+    return triton.cdiv(k, slice_len), slice_len
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """``Kernels.sparse_attention`` on the device for ``T >= 1`` tokens and ``K >= 1`` indices."""
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
@@ -154,14 +175,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     sinks = sinks.contiguous()
     k = indices.shape[1]
     dot, prec = dot_operands(q.dtype)
-    block_h = choose(16, 4) if heads >= 16 else max(1, min(next_power_of_2(heads), choose(16, 4)))
-    head_blocks = triton.cdiv(heads, block_h)
-    block_d = max(16, next_power_of_2(dim))  # the reduction dim of q·kᵀ; tl.dot needs 16 for 16-bit operands
+    tiles = attention_tiles(heads, dim)
+    head_blocks = triton.cdiv(heads, tiles.blocks["BLOCK_H"])
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
-    splits = splits_for(tokens * head_blocks, k, 2 * _SLICE_QUANTUM, q.device)
-    slice_len = triton.cdiv(triton.cdiv(k, splits), _SLICE_QUANTUM) * _SLICE_QUANTUM
-    splits = triton.cdiv(k, slice_len)
-    common = dict(DOT=dot, PREC=prec, BLOCK_H=block_h, BLOCK_D=block_d)
+    splits, slice_len = attention_slices(tokens, heads, k, target_programs(q.device))
+    common = dict(DOT=dot, PREC=prec, **tiles.kwargs())
     qk_scale = float(scale) * LOG2E.value
     if splits == 1:
         _sparse_attention_kernel[(head_blocks * tokens, 1)](
@@ -182,6 +200,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     )
     _merge_slices_kernel[(head_blocks * tokens,)](
         part, part_m, part_l, sinks, out, heads, dim, splits, out.stride(0), out.stride(1),
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=choose(4, 1),
+        **merge_tiles(heads, dim).kwargs(),
     )
     return out

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import choose, num_warps_for, unit_inner
+from .launch import Tiles, choose, num_warps_for, unit_inner
 
 
 @triton.jit
@@ -27,6 +27,12 @@ def _apply_bitmask_kernel(logits_ptr, mask_ptr, V, W, stride_l, stride_m, BLOCK:
     tl.store(logits_ptr + row * stride_l + v, neg_inf, mask=in_vocab & ~allowed)
 
 
+def bitmask_tiles() -> Tiles:
+    """4096 tokens per program (128 mask words); half as many warps as a dense kernel, since it only stores."""
+    block = choose(4096, 32)
+    return Tiles({"BLOCK": block}, num_warps=num_warps_for(block // 2))
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``Kernels.apply_token_bitmask`` on the device: masks ``logits`` ``[B, V]`` in place and returns it."""
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
@@ -40,10 +46,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     bitmask = bitmask.to(logits.device, non_blocking=True)
     bitmask = unit_inner(bitmask)
     batch, vocab = logits.shape
-    block = choose(4096, 32)
-    grid = (batch, triton.cdiv(vocab, block))
+    tiles = bitmask_tiles()
+    grid = (batch, triton.cdiv(vocab, tiles.blocks["BLOCK"]))
     _apply_bitmask_kernel[grid](
-        logits, bitmask, vocab, bitmask.shape[1], logits.stride(0), bitmask.stride(0),
-        BLOCK=block, num_warps=num_warps_for(block // 2),
+        logits, bitmask, vocab, bitmask.shape[1], logits.stride(0), bitmask.stride(0), **tiles.kwargs(),
     )
     return logits

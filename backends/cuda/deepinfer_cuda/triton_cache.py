@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import choose, next_power_of_2, num_warps_for, rows
+from .launch import Tiles, choose, next_power_of_2, num_warps_for, rows
 
 
 @triton.jit
@@ -25,6 +25,12 @@ def _cache_write_kernel(pool_ptr, slots_ptr, values_ptr, N, W, stride_p, stride_
     ok = c < tl.where((slot >= 0) & (slot < N), W, 0)
     v = tl.load(values_ptr + i * stride_v + c, mask=ok, other=0)
     tl.store(pool_ptr + slot * stride_p + c, v, mask=ok)
+
+
+def cache_write_tiles(width: int) -> Tiles:
+    """Rows of ``width`` values, copied up to 2048 columns per program."""
+    block = min(next_power_of_2(width), choose(2048, 64))
+    return Tiles({"BLOCK": block}, num_warps=num_warps_for(block))
 
 
 def cache_write(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
@@ -43,8 +49,7 @@ def cache_write(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -
     # cast with torch (round to nearest even, like the reference); the kernel then copies bits
     vals = rows(values if values.dtype == pool.dtype else values.to(pool.dtype), width)
     slots = slots.to(torch.int64).contiguous()
-    block = min(next_power_of_2(width), choose(2048, 64))
-    _cache_write_kernel[(n, triton.cdiv(width, block))](
-        pool2, slots, vals, pool.shape[0], width, pool2.stride(0), vals.stride(0),
-        BLOCK=block, num_warps=num_warps_for(block),
+    tiles = cache_write_tiles(width)
+    _cache_write_kernel[(n, triton.cdiv(width, tiles.blocks["BLOCK"]))](
+        pool2, slots, vals, pool.shape[0], width, pool2.stride(0), vals.stride(0), **tiles.kwargs(),
     )

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import choose, next_power_of_2, num_warps_for
+from .launch import Tiles, choose, next_power_of_2, num_warps_for
 
 
 @triton.jit
@@ -70,6 +70,13 @@ def _compress_kv_kernel(
     tl.store(out_ptr + e * stride_o + c, out.to(out_ptr.dtype.element_ty), mask=c_ok)
 
 
+def compress_tiles(window: int, channels: int) -> Tiles:
+    """Windows of ``window`` slots walked up to 32 at a time, over blocks of up to 128 of ``channels`` output channels."""
+    block_c = min(next_power_of_2(channels), choose(128, 32))
+    block_m = min(next_power_of_2(window), choose(32, 8))
+    return Tiles({"BLOCK_M": block_m, "BLOCK_C": block_c}, num_warps=num_warps_for(block_m * block_c))
+
+
 def compress_kv(
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -100,12 +107,10 @@ def compress_kv(
     out = torch.empty(entries, dout, dtype=kv.dtype, device=kv.device)
     if dout == 0:
         return out
-    block_c = min(next_power_of_2(dout), choose(128, 32))
-    block_m = min(next_power_of_2(m), choose(32, 8))
-    _compress_kv_kernel[(entries, triton.cdiv(dout, block_c))](
+    tiles = compress_tiles(m, dout)
+    _compress_kv_kernel[(entries, triton.cdiv(dout, tiles.blocks["BLOCK_C"]))](
         kv, gate, bias, indices, prev, out,
         m, dout, kv.shape[0], kv.stride(0), gate.stride(0), bias.stride(0), indices.stride(0), prev.stride(0), out.stride(0),
-        HAS_PREV=prev_indices is not None, BLOCK_M=block_m, BLOCK_C=block_c,
-        num_warps=num_warps_for(block_m * block_c),
+        HAS_PREV=prev_indices is not None, **tiles.kwargs(),
     )
     return out

@@ -21,15 +21,17 @@ the worst case; tiles past the last expert's run exit at once.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer_interfaces.quant import QuantizedWeight
 
-from .launch import autotune_configs, choose, interpreting, num_warps_for
+from .launch import SHARED_MEMORY_PER_BLOCK, Tiles, autotune_configs, choose, interpreting, next_power_of_2, num_warps_for
 from .triton_common import dot_operands
-from .triton_dequant import WeightOperand, weight_dot
+from .triton_dequant import PLAIN, WeightOperand, weight_dot
 
 
 def _configs() -> list[triton.Config]:
@@ -40,16 +42,32 @@ def _configs() -> list[triton.Config]:
     )
 
 
-def _prune(configs: list[triton.Config], nargs: dict, **_: object) -> list[triton.Config]:
-    """Drop tiles wider than the matrices; small matrices (tests, tiny models) take the first config."""
+def pipelined_bytes(config: triton.Config, block_m: int, itemsize: int, weight_tiles: int) -> int:
+    """Shared memory the software pipeline buffers for plain weights: an activation tile and ``weight_tiles``
+    weight tiles (two for the gate and up halves) per buffer. ``num_stages`` buffers for 16-bit dots (exact
+    for the wgmma / tcgen05 tiles of ``BLOCK_M`` 64, an upper bound for smaller tiles, which keep one buffer
+    fewer), ``num_stages - 1`` for fp32 (FMA) dots, as ``compile_check`` measures them on sm_90 and sm_100."""
+    buffers = config.num_stages if itemsize < 4 else config.num_stages - 1
+    return buffers * (block_m + weight_tiles * config.kwargs["BLOCK_N"]) * config.kwargs["BLOCK_K"] * itemsize
+
+
+def _prune(configs: list[triton.Config], nargs: dict, weight_tiles: int, **meta: object) -> list[triton.Config]:
+    """Drop tiles wider than the matrices and, for plain weights, tiles whose pipeline buffers would exceed
+    the shared memory one block may use (the 128 x 128 x 3-stage up-projection tile at ``BLOCK_M`` 64, and
+    more in fp32); small matrices (tests, tiny models) take the first config. Quantized codes (1 or ½ byte)
+    fit at every config."""
     n, k = nargs["N"], nargs["K"]
     if n <= 64 and k <= 64:
         return configs[:1]
     fit = [c for c in configs if c.kwargs["BLOCK_N"] <= max(64, n) and c.kwargs["BLOCK_K"] <= max(64, k)]
+    if meta["FMT"] == PLAIN:
+        itemsize = nargs["w_ptr"].dtype.itemsize
+        fit = [c for c in fit if pipelined_bytes(c, meta["BLOCK_M"], itemsize, weight_tiles) <= SHARED_MEMORY_PER_BLOCK]
     return fit or configs[:1]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "FMT"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "FMT"],
+                 prune_configs_by={"early_config_prune": functools.partial(_prune, weight_tiles=2)})
 @triton.jit
 def _up_kernel(
     x_ptr, w_ptr, s_ptr, act_ptr, pairs_ptr, block_expert_ptr,
@@ -85,7 +103,8 @@ def _up_kernel(
     tl.store(act_ptr + offs_m[:, None] * stride_a + n[None, :], act.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "FMT"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "FMT"],
+                 prune_configs_by={"early_config_prune": functools.partial(_prune, weight_tiles=1)})
 @triton.jit
 def _down_kernel(
     act_ptr, w_ptr, s_ptr, y_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
@@ -137,6 +156,12 @@ def block_m_for(pairs: int, experts: int) -> int:
         return 8
     per_expert = pairs / max(1, min(experts, pairs))
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def sum_tiles(dim: int) -> Tiles:
+    """Up to 1024 channels of a token's pair rows per program."""
+    block_d = min(next_power_of_2(dim), choose(1024, 32))
+    return Tiles({"BLOCK_D": block_d}, num_warps=num_warps_for(block_d))
 
 
 def align_by_expert(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,8 +246,8 @@ def moe_experts(
         **down.constants(), DOT=dot, PREC=prec, BLOCK_M=block_m,
     )
     out = torch.empty(tokens, dim, dtype=x.dtype, device=dev)
-    block_d = min(triton.next_power_of_2(dim), choose(1024, 32))
-    _sum_kernel[(tokens, triton.cdiv(dim, block_d))](
-        y, ids, out, experts, dim, top_k, y.stride(0), out.stride(0), BLOCK_D=block_d, num_warps=num_warps_for(block_d),
+    tiles = sum_tiles(dim)
+    _sum_kernel[(tokens, triton.cdiv(dim, tiles.blocks["BLOCK_D"]))](
+        y, ids, out, experts, dim, top_k, y.stride(0), out.stride(0), **tiles.kwargs(),
     )
     return out

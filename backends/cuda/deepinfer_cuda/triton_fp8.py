@@ -30,8 +30,8 @@ import triton.language as tl
 
 from deepinfer_interfaces.quant import QuantizedWeight
 
-from .launch import autotune_configs, choose, interpreting, rows
-from .triton_common import dot_operands, splits_for
+from .launch import Tiles, autotune_configs, choose, interpreting, rows
+from .triton_common import dot_operands, split_count, target_programs
 from .triton_dequant import E4M3, WeightOperand, scale_to_float, weight_dot
 
 #: activation columns one e4m3 scale covers, and the FP8 GEMM's K step
@@ -175,23 +175,36 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t, k = x.shape
     q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(triton.cdiv(k, GROUP), t, dtype=torch.float32, device=x.device)
-    block_t = choose(16, 4)
-    _act_quant_kernel[(triton.cdiv(t, block_t), triton.cdiv(k, GROUP))](
-        x, q, s, t, k, x.stride(0), q.stride(0), s.stride(0), INTEGER_CAST=interpreting(), BLOCK_T=block_t, GROUP=GROUP, num_warps=4 if block_t >= 16 else 1,
+    tiles = act_quant_tiles()
+    _act_quant_kernel[(triton.cdiv(t, tiles.blocks["BLOCK_T"]), triton.cdiv(k, GROUP))](
+        x, q, s, t, k, x.stride(0), q.stride(0), s.stride(0), INTEGER_CAST=interpreting(), **tiles.kwargs(),
     )
     return q, s
 
 
-def _block_m(tokens: int) -> int:
+def act_quant_tiles() -> Tiles:
+    """16 tokens × one 128-column group per program."""
+    block_t = choose(16, 4)
+    return Tiles({"BLOCK_T": block_t, "GROUP": GROUP}, num_warps=4 if block_t >= 16 else 1)
+
+
+def block_m_for(tokens: int) -> int:
+    """Output rows per tile: the smallest MMA tile that holds a decode batch, up to 128 for prefill."""
     if interpreting():
         return 8
     return 16 if tokens <= 16 else 32 if tokens <= 32 else 64 if tokens <= 64 else 128
 
 
-def _split(m_tiles: int, n: int, k: int, step: int, device: torch.device) -> tuple[int, int]:
-    """``(splits, slice)``: K cut into ``splits`` slices of ``slice`` columns (a multiple of ``step``) when few tiles."""
+def k_step(fp8_dot: bool) -> int:
+    """Columns a K slice is a multiple of: one activation scale group on the FP8 path."""
+    return GROUP if fp8_dot else choose(128, 32)
+
+
+def k_slices(m_tiles: int, n: int, k: int, step: int, target: int) -> tuple[int, int]:
+    """``(splits, slice)``: K cut into ``splits`` slices of ``slice`` columns (a multiple of ``step``)
+    when the output's tiles fall short of ``target`` programs."""
     chunk = step * choose(4, 1)
-    splits = splits_for(m_tiles * triton.cdiv(n, 128), k, chunk, device)
+    splits = split_count(m_tiles * triton.cdiv(n, 128), k, chunk, target)
     slice_k = triton.cdiv(triton.cdiv(k, step), splits) * step
     return triton.cdiv(k, slice_k), slice_k
 
@@ -207,9 +220,8 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, fp8_dot: bool | None = 
         raise ValueError(f"fp8_linear: the FP8 path needs e4m3 codes in blocks of a multiple of {GROUP} columns; got {weight.fmt} {weight.block}")
     x = rows(x, k)
     t = x.shape[0]
-    block_m = _block_m(t)
-    step = GROUP if fp8_dot else choose(128, 32)
-    splits, slice_k = _split(triton.cdiv(t, block_m), n, k, step, x.device)
+    block_m = block_m_for(t)
+    splits, slice_k = k_slices(triton.cdiv(t, block_m), n, k, k_step(fp8_dot), target_programs(x.device))
     out = torch.empty(splits, t, n, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(t, block_m), triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
     if fp8_dot:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import autotune_configs, next_power_of_2, unit_inner
+from .launch import Tiles, autotune_configs, next_power_of_2, unit_inner
 from .triton_common import dot_operands
 
 
@@ -58,6 +58,12 @@ def _indexer_scores_kernel(
     tl.store(out_ptr + t * stride_ot + n, score, mask=n_ok)
 
 
+def indexer_tiles(heads: int, dim: int) -> Tiles:
+    """Every indexer head at once and the whole head dim, the reduction of the head dot products
+    (at least 16: ``tl.dot`` needs that for 16-bit operands); ``BLOCK_N``, warps and stages are autotuned."""
+    return Tiles({"BLOCK_H": next_power_of_2(heads), "BLOCK_D": max(16, next_power_of_2(dim))})
+
+
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
     """``Kernels.indexer_scores`` on the device for ``T >= 1`` tokens and ``K >= 1`` candidates; fp32 scores."""
     if q.dim() != 3 or weights.dim() != 2 or keys.dim() != 2 or indices.dim() != 2:
@@ -84,7 +90,6 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, i
         q, weights, keys, indices, out,
         heads, dim, k, keys.shape[0], float(scale),
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), indices.stride(0), out.stride(0),
-        # D is the reduction dim of the head dot products; tl.dot needs 16 for 16-bit operands
-        DOT=dot, PREC=prec, BLOCK_H=next_power_of_2(heads), BLOCK_D=max(16, next_power_of_2(dim)),
+        DOT=dot, PREC=prec, **indexer_tiles(heads, dim).kwargs(),
     )
     return out

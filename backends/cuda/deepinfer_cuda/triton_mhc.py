@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import choose, interpreting, next_power_of_2, num_warps_for
-from .triton_common import splits_for
+from .launch import Tiles, choose, interpreting, next_power_of_2, num_warps_for
+from .triton_common import split_count, target_programs
 
 
 @triton.jit
@@ -159,6 +159,44 @@ def _streams(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+def mix_tiles(n: int, head: bool) -> Tiles:
+    """Tiles of 16 tokens × every mixing column (``n`` for the head, ``(2 + n)·n`` otherwise) × 64 of the ``n·D`` inputs."""
+    nu = n if head else (2 + n) * n
+    return Tiles({"BLOCK_T": choose(16, 8), "BLOCK_U": max(next_power_of_2(nu), choose(16, 1)), "BLOCK_K": choose(64, 32)},
+                 num_warps=choose(4, 1))
+
+
+def mix_slices(tokens: int, n: int, dim: int, target: int) -> tuple[int, int]:
+    """``(splits, slice_len)``: the ``n·D`` reduction cut into slices when token tiles fall short of ``target`` programs."""
+    blocks = mix_tiles(n, True).blocks
+    kd, block_k = n * dim, blocks["BLOCK_K"]
+    splits = split_count(triton.cdiv(tokens, blocks["BLOCK_T"]), kd, 4 * block_k, target)
+    slice_len = triton.cdiv(triton.cdiv(kd, splits), block_k) * block_k
+    return triton.cdiv(kd, slice_len), slice_len
+
+
+def mix_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` precision of the mixing matmul: the streams are rounded to ``dtype`` already, and tf32
+    products round ``fn`` to 10 mantissa bits, within 16-bit tolerances; fp32 streams take exact products."""
+    return "ieee" if dtype == torch.float32 or interpreting() else "tf32"
+
+
+def finish_tiles(n: int, dim: int, head: bool) -> Tiles:
+    """The mixing kernel's token tile and columns, all ``n`` streams, and channels for about 4096 values a program."""
+    mix = mix_tiles(n, head).blocks
+    block_t, block_s = mix["BLOCK_T"], next_power_of_2(n)
+    block_d = min(next_power_of_2(dim), choose(max(64, 4096 // (block_t * block_s)), 32))
+    return Tiles({"BLOCK_T": block_t, "BLOCK_S": block_s, "BLOCK_D": block_d, "BLOCK_U": mix["BLOCK_U"]},
+                 num_warps=num_warps_for(block_t * block_s * block_d))
+
+
+def post_tiles(n: int, dim: int) -> Tiles:
+    """One token's ``n`` streams × a block of channels (about 2048 values of ``x``)."""
+    block_s = next_power_of_2(n)
+    block_d = min(next_power_of_2(dim), choose(max(128, 2048 // block_s), 32))
+    return Tiles({"BLOCK_S": block_s, "BLOCK_D": block_d}, num_warps=num_warps_for(block_s * block_s * block_d // 2))
+
+
 def _mix_and_finish(
     x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
     norm_eps: float, hc_eps: float, iters: int, head: bool,
@@ -175,31 +213,22 @@ def _mix_and_finish(
     base = base.to(torch.float32).contiguous()
     scale = scale.to(torch.float32).contiguous()
     kd = n * dim
-    block_t = choose(16, 8)
-    block_u = max(next_power_of_2(nu), choose(16, 1))
-    block_k = choose(64, 32)
-    token_blocks = triton.cdiv(tokens, block_t)
-    splits = splits_for(token_blocks, kd, 4 * block_k, dev)
-    slice_len = triton.cdiv(triton.cdiv(kd, splits), block_k) * block_k
-    splits = triton.cdiv(kd, slice_len)
-    part = torch.empty(splits, tokens, block_u, dtype=torch.float32, device=dev)
+    mix = mix_tiles(n, head)
+    token_blocks = triton.cdiv(tokens, mix.blocks["BLOCK_T"])
+    splits, slice_len = mix_slices(tokens, n, dim, target_programs(dev))
+    part = torch.empty(splits, tokens, mix.blocks["BLOCK_U"], dtype=torch.float32, device=dev)
     sq = torch.empty(splits, tokens, dtype=torch.float32, device=dev)
-    # the streams are rounded to x.dtype already; tf32 products round fn to 10 mantissa bits, within 16-bit tolerances
-    prec = "ieee" if x.dtype == torch.float32 or interpreting() else "tf32"
     _mix_kernel[(token_blocks, splits)](
-        x, fn, part, sq, tokens, kd, nu, slice_len, kd, fn.stride(0),
-        PREC=prec, BLOCK_T=block_t, BLOCK_U=block_u, BLOCK_K=block_k, num_warps=choose(4, 1),
+        x, fn, part, sq, tokens, kd, nu, slice_len, kd, fn.stride(0), PREC=mix_precision(x.dtype), **mix.kwargs(),
     )
     out = torch.empty(tokens, dim, dtype=x.dtype, device=dev)
     post = None if head else torch.empty(tokens, n, dtype=torch.float32, device=dev)
     comb = None if head else torch.empty(tokens, n, n, dtype=torch.float32, device=dev)
-    block_s = next_power_of_2(n)
-    block_d = min(next_power_of_2(dim), choose(max(64, 4096 // (block_t * block_s)), 32))
-    _finish_kernel[(token_blocks, triton.cdiv(dim, block_d))](
+    finish = finish_tiles(n, dim, head)
+    _finish_kernel[(token_blocks, triton.cdiv(dim, finish.blocks["BLOCK_D"]))](
         x, part, sq, base, scale, out, out if post is None else post, out if comb is None else comb,
         tokens, n, dim, splits, int(iters), float(norm_eps), float(hc_eps), x.stride(0), x.stride(1), out.stride(0),
-        HEAD=head, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_U=block_u,
-        num_warps=num_warps_for(block_t * block_s * block_d),
+        HEAD=head, **finish.kwargs(),
     )
     return out, post, comb
 
@@ -234,11 +263,10 @@ def mhc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.T
     post = post if post.stride(-1) == 1 else post.contiguous()
     comb = comb if comb.stride(-1) == 1 else comb.contiguous()
     out = torch.empty(tokens, n, dim, dtype=x.dtype, device=x.device)
-    block_s = next_power_of_2(n)
-    block_d = min(next_power_of_2(dim), choose(max(128, 2048 // block_s), 32))
-    _post_kernel[(tokens, triton.cdiv(dim, block_d))](
+    tiles = post_tiles(n, dim)
+    _post_kernel[(tokens, triton.cdiv(dim, tiles.blocks["BLOCK_D"]))](
         y, x, post, comb, out, n, dim,
         y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), out.stride(0), out.stride(1),
-        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=num_warps_for(block_s * block_s * block_d // 2),
+        **tiles.kwargs(),
     )
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import choose, next_power_of_2, num_warps_for, rows
+from .launch import Tiles, choose, next_power_of_2, num_warps_for, rows
 
 #: scoring functions by the code the kernel is specialised on
 SCORING_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -82,6 +82,14 @@ def _route_kernel(
     tl.store(ids_ptr + out, ids, mask=out_mask)
 
 
+def route_tiles(experts: int, top_k: int) -> Tiles:
+    """Every expert of a row at once, and as many rows (up to 16) as keep a program near 4096 logits."""
+    block_e = next_power_of_2(experts)
+    block_t = max(1, min(choose(4096, 64) // block_e, choose(16, 4)))
+    return Tiles({"BLOCK_T": block_t, "BLOCK_E": block_e, "BLOCK_K": next_power_of_2(top_k)},
+                 num_warps=num_warps_for(block_t * block_e))
+
+
 def route(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -110,16 +118,13 @@ def route(
     dev = logits.device
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
-    block_e = next_power_of_2(experts)
-    block_t = max(1, min(choose(4096, 64) // block_e, choose(16, 4)))
+    tiles = route_tiles(experts, top_k)
     table = tid2eid.contiguous() if hashed else logits
     toks = token_ids.to(torch.int64).contiguous() if hashed else logits
-    _route_kernel[(triton.cdiv(tokens, block_t),)](
+    _route_kernel[(triton.cdiv(tokens, tiles.blocks["BLOCK_T"]),)](
         logits, logits if bias is None else bias.contiguous(), table, toks, weights, ids,
         tokens, experts, top_k, float(routed_scaling), logits.stride(0), table.stride(0) if hashed else 0,
-        SCORING=SCORING_CODES[scoring], HAS_BIAS=bias is not None, HASH=hashed, RENORM=bool(renormalize),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_power_of_2(top_k),
-        num_warps=num_warps_for(block_t * block_e),
+        SCORING=SCORING_CODES[scoring], HAS_BIAS=bias is not None, HASH=hashed, RENORM=bool(renormalize), **tiles.kwargs(),
     )
     return weights, ids
 
@@ -140,6 +145,12 @@ def _swiglu_kernel(
     tl.store(out_ptr + row * stride_o + c, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def swiglu_tiles(width: int) -> Tiles:
+    """Rows of ``width`` values, up to 2048 per program."""
+    block = min(next_power_of_2(width), choose(2048, 32))
+    return Tiles({"BLOCK": block}, num_warps=num_warps_for(block))
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """``Kernels.swiglu`` on the device for a non-empty ``gate``."""
     if gate.shape != up.shape:
@@ -147,9 +158,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
     width = gate.shape[-1]
     g2, u2 = rows(gate, width), rows(up, width)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-    block = min(next_power_of_2(width), choose(2048, 32))
-    _swiglu_kernel[(g2.shape[0], triton.cdiv(width, block))](
+    tiles = swiglu_tiles(width)
+    _swiglu_kernel[(g2.shape[0], triton.cdiv(width, tiles.blocks["BLOCK"]))](
         g2, u2, out, width, g2.stride(0), u2.stride(0), out.stride(0), 0.0 if limit is None else float(limit),
-        HAS_LIMIT=limit is not None, BLOCK=block, num_warps=num_warps_for(block),
+        HAS_LIMIT=limit is not None, **tiles.kwargs(),
     )
     return out.view(gate.shape)

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import choose, next_power_of_2, num_warps_for, rows
+from .launch import Tiles, choose, next_power_of_2, num_warps_for, rows
+from .triton_common import accumulator
 
 #: rows up to this width are held in registers and read once; wider rows are read twice in chunks
 _ONE_PASS_MAX = 16384
@@ -45,6 +46,13 @@ def _rms_norm_kernel(
             tl.store(o_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rms_norm_tiles(d: int) -> Tiles:
+    """Rows of ``d`` columns: held whole in registers up to ``_ONE_PASS_MAX``, else read twice in chunks."""
+    one_pass = d <= choose(_ONE_PASS_MAX, 64)
+    block = next_power_of_2(d) if one_pass else choose(4096, 32)
+    return Tiles({"BLOCK": block, "ONE_PASS": one_pass}, num_warps=num_warps_for(block))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``Kernels.rms_norm`` on the device; ``x`` is ``[..., D]`` with at least one row."""
     d = x.shape[-1]
@@ -52,15 +60,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({d},) to match x's last dim")
     x2 = rows(x, d)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    one_pass = d <= choose(_ONE_PASS_MAX, 64)
-    block = next_power_of_2(d) if one_pass else choose(4096, 32)
     w = weight.contiguous() if weight is not None else x2
     _rms_norm_kernel[(x2.shape[0],)](
         x2, w, out, d, x2.stride(0), out.stride(0), float(eps),
-        HAS_WEIGHT=weight is not None,
-        ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
-        BLOCK=block,
-        ONE_PASS=one_pass,
-        num_warps=num_warps_for(block),
+        HAS_WEIGHT=weight is not None, ACC=accumulator(x.dtype), **rms_norm_tiles(d).kwargs(),
     )
     return out.view(x.shape)

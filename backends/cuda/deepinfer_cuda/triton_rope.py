@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import choose, next_power_of_2, num_warps_for, unit_inner
+from .launch import Tiles, choose, next_power_of_2, num_warps_for, unit_inner
+from .triton_common import accumulator
 
 #: values one program holds at once (heads x channels)
 _TILE = 4096
@@ -48,6 +49,13 @@ def _rope_kernel(
         tl.store(o_base + d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rope_tiles(heads: int, dim: int) -> Tiles:
+    """Up to 1024 channels per step and as many heads as keep a program near ``_TILE`` values."""
+    block_d = min(next_power_of_2(dim), choose(1024, 32))
+    block_h = max(1, min(next_power_of_2(heads), choose(_TILE, 64) // block_d))
+    return Tiles({"BLOCK_H": block_h, "BLOCK_D": block_d}, num_warps=num_warps_for(block_h * block_d))
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     """``Kernels.rope`` on the device; ``x`` is ``[T, D]`` or ``[T, H, D]`` with ``T >= 1`` and a non-empty rope slice."""
     if x.dim() not in (2, 3):
@@ -66,16 +74,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -
     sin = unit_inner(sin)
     heads = x3.shape[1]
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
-    block_d = min(next_power_of_2(dim), choose(1024, 32))
-    block_h = max(1, min(next_power_of_2(heads), choose(_TILE, 64) // block_d))
-    grid = (tokens, triton.cdiv(heads, block_h))
+    tiles = rope_tiles(heads, dim)
+    grid = (tokens, triton.cdiv(heads, tiles.blocks["BLOCK_H"]))
     _rope_kernel[grid](
         x3, cos, sin, out, heads, dim, dim - 2 * half,
         x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
-        INVERSE=bool(inverse),
-        ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        num_warps=num_warps_for(block_h * block_d),
+        INVERSE=bool(inverse), ACC=accumulator(x.dtype), **tiles.kwargs(),
     )
     return out.view(x.shape)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import autotune_configs, choose, unit_inner
+from .launch import Tiles, autotune_configs, choose, unit_inner
 
 
 def _row_configs() -> list[triton.Config]:
@@ -122,6 +122,11 @@ def _race_kernel(
     tl.store(out_ptr + row, best_idx)
 
 
+def cutoff_tiles() -> Tiles:
+    """The top-k / top-p walk over ordered candidates: 1024 per step."""
+    return Tiles({"BLOCK": choose(1024, 128)}, num_warps=choose(4, 1))
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -169,8 +174,7 @@ def sample(
             ordered = logits.topk(k_max, dim=-1, sorted=True).values
         _cutoff_kernel[(batch,)](
             ordered, ordered.stride(0), ordered.shape[1], vocab, temperature, top_k, top_p,
-            need.to(torch.int8), row_max, row_sum, cutoff,
-            BLOCK=choose(1024, 128), num_warps=choose(4, 1),
+            need.to(torch.int8), row_max, row_sum, cutoff, **cutoff_tiles().kwargs(),
         )
     out = torch.empty(batch, dtype=torch.int64, device=dev)
     _race_kernel[(batch,)](
