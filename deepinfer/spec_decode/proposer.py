@@ -54,7 +54,7 @@ class DSparkProposer:
         self.ring = DSparkRing(draft, num_slots)
         self.gamma = draft.config.dspark_block_size
         self.target_layers = tuple(draft.config.dspark_target_layer_ids)
-        #: request id -> ``[γ, V]`` distributions its pending draft was drawn from
+        #: request id -> ``[γ, V]`` distributions its pending draft was drawn from (greedy: its ``[γ]`` tokens)
         self._probs: dict[str, torch.Tensor] = {}
 
     def clear(self, slot: int) -> None:
@@ -96,17 +96,25 @@ class DSparkProposer:
         slots = [a.slot for a in anchors]
         pos = torch.tensor([a.position for a in anchors], dtype=torch.int64, device=dev)
         temps = torch.tensor([a.temperature for a in anchors], dtype=torch.float32, device=dev)
+        sampled = any(a.temperature > 0 for a in anchors)
         out = self.draft.draft(
             anchor_ids, pos, self.ring.kv, self.ring.rows(slots, pos),
-            temperature=temps, noise=noise, keep_probs=True,
+            temperature=temps, noise=noise, keep_probs=sampled,
         )
         for i, a in enumerate(anchors):
-            self._probs[a.request_id] = out.probs[i]
+            # a greedy draft's distribution is one-hot at its token: keep the tokens, not [γ, V] floats
+            # (a sampled row is copied out, so the batch's tensor is not held by it)
+            self._probs[a.request_id] = out.probs[i].clone() if a.temperature > 0 else out.tokens[i]
         return out.tokens, out.confidence
 
     def draft_probs(self, request_ids: list[str], k: int) -> torch.Tensor:
-        """``[N, k, V]``: the distributions of each request's first ``k`` pending drafted tokens."""
-        return torch.stack([self._probs[r][:k] for r in request_ids])
+        """``[N, k, V]``: the distributions of each request's first ``k`` pending drafted tokens (one-hot
+        at the token for a greedy draft)."""
+        vocab = self.draft.model_config.vocab_size
+        rows = [self._probs[r][:k] for r in request_ids]
+        return torch.stack([
+            q.float() if q.is_floating_point() else torch.nn.functional.one_hot(q, vocab).float() for q in rows
+        ])
 
     def after_step(
         self, step: Step, hidden: dict[int, torch.Tensor], tokens: dict[str, list[SampledToken]],
