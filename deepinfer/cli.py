@@ -181,10 +181,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     import torch
 
     from .engine import resolve_model_dir
+    from .loader.files import read_config_json
     from .weight_memory import weight_memory
 
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
-    mem = weight_memory(resolve_model_dir(args.model), ep=args.ep, dtype=dtype, quantization=args.quantization)
+    model_dir = resolve_model_dir(args.model)
+    if read_config_json(model_dir).get("model_type") == "deepseek_v41":
+        return _inspect_v41(args, model_dir, dtype)
+    mem = weight_memory(model_dir, ep=args.ep, dtype=dtype, quantization=args.quantization)
     if args.json:
         print(json.dumps(mem.as_dict()))
         return 0
@@ -195,6 +199,26 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"largest rank at --ep {mem.ep}: {_size(mem.per_rank_bytes)} (routed experts split, everything else on every rank)")
     if mem.checkpoint_bytes is not None:
         print(f"checkpoint on disk (index total_size, draft layers included): {_size(mem.checkpoint_bytes)}")
+    return 0
+
+
+def _inspect_v41(args: argparse.Namespace, model_dir, dtype) -> int:
+    """``inspect`` of a DeepSeek V4.1 checkpoint: backbone, Engram tables and draft, each whole and per rank."""
+    from .weight_memory_v41 import v41_weight_memory
+
+    mem = v41_weight_memory(model_dir, ep=args.ep, dtype=dtype, quantization=args.quantization)
+    if args.json:
+        print(json.dumps(mem.as_dict()))
+        return 0
+    print(f"DeepSeek V4.1 weights ({mem.quantization}, the rest in {mem.dtype}; vision tower not counted):")
+    print(f"  {'part':<18} {'total':>12} {f'rank at --ep {mem.ep}':>16}")
+    notes = {"backbone": "routed experts split", "engram": "n-gram tables, on every rank", "draft": "DSpark; its experts split"}
+    for name, part in mem.parts.items():
+        print(f"  {name:<18} {_size(part.total_bytes):>12} {_size(part.per_rank_bytes):>16}  ({notes[name]})")
+    print(f"  {'total':<18} {_size(mem.total_bytes):>12} {_size(mem.per_rank_bytes):>16}")
+    print(f"one routed expert: {mem.bytes_per_routed_expert:,} B; one Engram row: {mem.bytes_per_engram_row:,} B")
+    if mem.checkpoint_bytes is not None:
+        print(f"checkpoint on disk (index total_size, vision tower included): {_size(mem.checkpoint_bytes)}")
     return 0
 
 
@@ -274,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("inspect", help="the memory a checkpoint's weights will take, from config.json and the index alone")
-    p.add_argument("--model", default=None, help="HF-layout DeepSeek-V4 directory; only config.json and the index are read")
+    p.add_argument("--model", default=None, help="HF-layout DeepSeek-V4 (or V4.1) directory; only config.json and the index are read")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree: also give the largest rank's share")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="dtype of the unquantized weights")
     p.add_argument("--quantization", default="auto", choices=["auto", "dequantize"])

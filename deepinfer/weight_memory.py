@@ -43,6 +43,11 @@ class WeightMemory:
         return asdict(self)
 
 
+def largest_rank_bytes(total: int, expert_bytes: int, n_experts: int, ep: int) -> int:
+    """Bytes on the fullest of ``ep`` ranks: ``n_experts`` routed experts split as evenly as they go, the rest replicated."""
+    return total - expert_bytes + round(expert_bytes / n_experts * -(-n_experts // ep))
+
+
 def _stored_names(directory: Path) -> tuple[set[str] | None, int | None]:
     """Model names of the tensors the index lists, and its total size; (None, None) without an index."""
     path = directory / INDEX_FILE
@@ -80,6 +85,5 @@ def weight_memory(
         kind = "experts" if role == EXPERTS else "quantized linears" if role and stored.storage(role).quantized else "rest"
         by_kind[kind] += p.numel() * p.element_size()
     total = sum(by_kind.values())
-    per_expert = by_kind["experts"] / config.n_routed_experts
-    per_rank = total - by_kind["experts"] + round(per_expert * -(-config.n_routed_experts // ep))
+    per_rank = largest_rank_bytes(total, by_kind["experts"], config.n_routed_experts, ep)
     return WeightMemory(total, per_rank, by_kind, ep, str(dtype).removeprefix("torch."), quantization, checkpoint_bytes)

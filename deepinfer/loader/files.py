@@ -36,8 +36,8 @@ def read_json(path: Path, what: str) -> Any:
         ) from exc
 
 
-def read_config(model_dir: str | Path) -> dict:
-    """The raw config.json of a DeepSeek-V4 checkpoint directory, as a dict."""
+def read_config_json(model_dir: str | Path) -> dict:
+    """The raw config.json of a model directory, as a dict, whatever its ``model_type``."""
     path = model_directory(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(
@@ -46,12 +46,17 @@ def read_config(model_dir: str | Path) -> dict:
     config = read_json(path, "config file")
     if not isinstance(config, dict):
         raise CheckpointError(f"config file {str(path)!r} holds a JSON {type(config).__name__}, expected an object")
+    return config
+
+
+def read_config(model_dir: str | Path) -> dict:
+    """The raw config.json of a DeepSeek-V4 checkpoint directory, as a dict; any other model type is refused."""
+    config = read_config_json(model_dir)
     model_type = config.get("model_type")
     if model_type == "deepseek_v41":
-        raise CheckpointError(
-            "model_type 'deepseek_v41' (DeepSeek V4.1) is a different architecture that deepinfer does not run yet; "
-            f"use a {MODEL_TYPE} checkpoint"
-        )
+        from ..model.config_v41 import refuse_generation
+
+        refuse_generation(config)  # names a bad field first, then says V4.1 is not runnable yet
     if model_type != MODEL_TYPE:
         raise CheckpointError(f"unknown model_type {model_type!r}: deepinfer runs {MODEL_TYPE} checkpoints")
     return config

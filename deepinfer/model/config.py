@@ -24,10 +24,6 @@ HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
-#: model types of the family that are recognised but not run yet, and why
-LATER_MODEL_TYPES = {
-    "deepseek_v41": "DeepSeek V4.1 is a different architecture (shared compressed KV, Engram memory); deepinfer does not run it yet",
-}
 _DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
 _DEFAULT_NUM_HASH_LAYERS = 3
 
@@ -178,8 +174,10 @@ class ModelConfig(BaseModel):
     def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Parse a raw ``config.json`` mapping; bad or unsupported values raise ``ConfigError``."""
         model_type = raw.get("model_type")
-        if model_type in LATER_MODEL_TYPES:
-            raise ConfigError(f"config.json has model_type {model_type!r}: {LATER_MODEL_TYPES[model_type]}; use a DeepSeek-V4 checkpoint")
+        if model_type == "deepseek_v41":
+            from .config_v41 import refuse_generation
+
+            refuse_generation(raw)  # names a bad field first, then says V4.1 is not runnable yet
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"config.json has model_type {model_type!r}, which this engine does not run; "
@@ -188,12 +186,7 @@ class ModelConfig(BaseModel):
         try:
             return cls.model_validate(_fold_legacy(dict(raw)))
         except ValidationError as exc:
-            err = exc.errors()[0]
-            if err["type"] == "value_error":
-                detail = str(err["msg"]).removeprefix("Value error, ")
-            else:
-                detail = f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-            raise ConfigError(f"invalid DeepSeek-V4 config.json: {detail}") from None
+            raise invalid_config("DeepSeek-V4", exc) from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"invalid DeepSeek-V4 config.json: {exc}") from None
 
@@ -268,3 +261,13 @@ def _fold_legacy(raw: dict[str, Any]) -> dict[str, Any]:
             params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 1048576))
     raw["rope_main"], raw["rope_compress"] = main, compress
     return raw
+
+
+def invalid_config(model: str, exc: ValidationError) -> ConfigError:
+    """One line naming the first field a ``config.json`` of ``model`` gets wrong (or the rule it breaks)."""
+    err = exc.errors()[0]
+    if err["type"] == "value_error":
+        detail = str(err["msg"]).removeprefix("Value error, ")
+    else:
+        detail = f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+    return ConfigError(f"invalid {model} config.json: {detail}")

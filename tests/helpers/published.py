@@ -349,3 +349,56 @@ def stored_bytes(release: dict[str, Any], with_mtp: bool = False) -> int:
         layer += shared * (2 * fp8(inter, d) + fp8(d, inter))
         total += layer
     return total
+
+
+# ---- the release's DeepSeek V4.1-Flash (model_type deepseek_v41), for its config and sizing ----------
+
+#: DeepSeek-V4.1-Flash's composite config.json, as released (deepseek-ai/DeepSeek-V4.1-Flash, revision dba1be0a)
+V41_FLASH: dict[str, Any] = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "model_type": "deepseek_v41",
+    "image_token_id": 129264,
+    "quantization_config": {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4",
+    },
+    "text_config": {
+        "model_type": "deepseek_v41_text",
+        "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304, "num_hidden_layers": 40,
+        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280,
+        "o_lora_rank": 1024, "o_groups": 8, "hidden_act": "silu", "swiglu_limit": 10.0, "rms_norm_eps": 1e-20,
+        "tie_word_embeddings": False, "max_position_embeddings": 1048576, "rope_theta": 10000,
+        "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 65536},
+        "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 6, "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "sliding_window": 128,
+        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+        "compress_rope_theta": 160000,
+        "kv_source_layer_ids": [2, 8, 14, 20],
+        "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+        "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
+        "candidate_source_layer_id": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
+        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-06,
+        "engram_layer_ids": [1, 14], "engram_num_embeddings": [384006168, 384016682],
+        "engram_max_ngram_size": 4, "engram_vocab_size": 16000000, "engram_n_heads": 8, "engram_head_dim": 256,
+        "engram_pad_token_id": 2, "engram_compressed_vocab_size": 99092,
+        "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
+        "dspark_target_layer_ids": [37, 38, 39], "dspark_markov_rank": 256,
+        "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3,
+    },
+    "vision_config": {
+        "model_type": "deepseek_v41_vision", "num_hidden_layers": 32, "hidden_size": 1024, "num_attention_heads": 16,
+        "intermediate_size": 2816, "patch_size": 14, "rope_theta": 10000, "downsample_ratio": 3,
+        "max_image_tokens": 1024, "min_pixels": 295936, "max_wh_ratio": None,
+    },
+}
+#: one routed expert as stored: w1, w2, w3 of 2304 x 5120 in FP4 e2m1 with one E8M0 scale per 32 columns
+V41_ROUTED_EXPERT_BYTES = 18_800_640
+#: one Engram table row: 256 FP8 e4m3 codes and 8 E8M0 scales (``layers.N.engram.embed.weight`` / ``.scale``)
+V41_ENGRAM_ROW_BYTES = 264
+#: rows of the two Engram tables (layers 1 and 14)
+V41_ENGRAM_NUM_EMBEDDINGS = (384_006_168, 384_016_682)
+#: ``metadata.total_size`` of the release's model.safetensors.index.json (vision tower included)
+V41_CHECKPOINT_BYTES = 510_286_023_000
+#: the release's parameter counts: DSpark draft (routed experts, shared experts, markov head, the rest)
+V41_DRAFT_PARAMS = 13_589_544_960 + 106_168_320 + 66_191_360 + 463_457_890
+#: the vision tower and aligner, as stored (BF16), which inspect leaves out
+V41_VISION_PARAMS = 485_268_480
