@@ -33,7 +33,7 @@ from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
 from .spec_decode.speculation import Speculation
 from .stats import EngineStats
-from .step import GrammarGate, ScheduledSequence, Step, StepResult
+from .step import GrammarGate, ScheduledSequence, Step, StepResult, chained_drafts
 from .step_executor import StepExecutor
 from .structured_output import GrammarCompilerCache, allocate_bitmask
 
@@ -264,10 +264,7 @@ class Engine:
         request's pending draft once that step is applied; none when it drafted nothing)."""
         if not s.chained:
             return s.draft_token_ids
-        d = req.draft
-        if d is None or d.anchor_position != req.num_known_tokens - 1:
-            return []
-        return list(d.tokens[: len(s.draft_token_ids)])
+        return chained_drafts(req.draft, req.num_known_tokens - 1, len(s.draft_token_ids))
 
     def step(self) -> list[Request]:
         """Advance by one step; return the requests (first completions) that gained tokens, finished or were preempted.

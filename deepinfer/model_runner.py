@@ -35,7 +35,7 @@ from .model.dspark import DSparkConfig, DSparkDraft, DSparkRing
 from .sampler import Sampler, top_logprobs
 from .spec_decode import DSparkProposer, StepCostProfile, verify_drafts
 from .stats import EngineStats
-from .step import DraftProposal, SampledToken, ScheduledSequence, Step, StepResult
+from .step import DraftProposal, SampledToken, ScheduledSequence, Step, StepResult, chained_drafts
 
 log = logging.getLogger("deepinfer")
 
@@ -318,8 +318,7 @@ class ModelRunner:
             if s.chained:
                 prev = self._outcomes[s.request_id]
                 start = s.start - prev.rejected
-                d = prev.draft
-                drafts = list(d.tokens[: len(s.draft_token_ids)]) if d is not None and d.anchor_position == start else []
+                drafts = chained_drafts(prev.draft, start, len(s.draft_token_ids))
                 s = dataclasses.replace(
                     s, start=start, token_ids=[prev.last_token], draft_token_ids=drafts,
                     logit_offsets=s.logit_offsets[: len(s.logit_offsets) - len(s.draft_token_ids) + len(drafts)], chained=False,

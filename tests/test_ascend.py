@@ -10,9 +10,7 @@ process's sys.modules.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,24 +19,14 @@ import torch
 
 from deepinfer_ascend.device import features_for_generation, soc_generation
 from deepinfer_ascend.kernels import AscendKernels
+from tests.helpers.subprocesses import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_OPS = {op for op, how in AscendKernels.paths().items() if how == "triton-ascend"}
 NPU_OPS = {op for op, how in AscendKernels.paths().items() if how.startswith("torch_npu:")}
 
 
-def _run(args: list[str], *, interpret: bool = False, extra_path: Path | None = None, env: dict | None = None,
-         timeout: float = 180) -> subprocess.CompletedProcess:
-    full = dict(os.environ)
-    for name in ("TRITON_INTERPRET", "DEEPINFER_BACKEND", "DEEPINFER_ASCEND_DISABLE", "ASCEND_RT_VISIBLE_DEVICES"):
-        full.pop(name, None)
-    full["OMP_NUM_THREADS"] = "1"
-    if interpret:
-        full["TRITON_INTERPRET"] = "1"
-    if extra_path is not None:
-        full["PYTHONPATH"] = os.pathsep.join([str(extra_path), str(ROOT), full.get("PYTHONPATH", "")])
-    full.update(env or {})
-    return subprocess.run([sys.executable, *args], env=full, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+_run = run_python
 
 
 def _last_json(proc: subprocess.CompletedProcess):
@@ -231,14 +219,7 @@ _BEYOND_SPECS = textwrap.dedent(
     ref, asc = Kernels(), AscendKernels(strict=True)
     g = torch.Generator().manual_seed(0)
 
-    def close(a, b, tol=2e-5):
-        a = a if isinstance(a, tuple) else (a,)
-        b = b if isinstance(b, tuple) else (b,)
-        for x, y in zip(a, b, strict=True):
-            assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
-            both_inf = torch.isinf(x) & torch.isinf(y) & (x == y)
-            err = ((x.double() - y.double()).abs() / (1 + y.double().abs()))[~both_inf].max().item()
-            assert err <= tol, err
+    from tests.helpers.subprocesses import assert_close as close
 
     # windows of 16 slots over 12 channels (several channel blocks), overlapping and not, holes anywhere
     kv, gate = torch.randn(32, 24, generator=g), torch.randn(32, 24, generator=g) * 2

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -27,15 +24,14 @@ import pytest
 from deepinfer.model.config import CSA, HCA, ModelConfig
 from deepinfer_ascend.launch import REDUCE_MIN, UNIFIED_BUFFERS, V4_FLASH, KiB
 from tests.helpers.published import V4_FLASH as V4_FLASH_RELEASE
+from tests.helpers.subprocesses import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_FILES = [ROOT / "backends/ascend/deepinfer_ascend" / f"triton_ascend_{k}.py" for k in ("mhc", "indexer", "compressor")]
 
 
 def _run(script: str, timeout: float = 300) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DEEPINFER_ASCEND_DISABLE", "DEEPINFER_BACKEND")}
-    env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = run_python(["-c", script], interpret=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
 
@@ -114,14 +110,7 @@ _PADDED = textwrap.dedent(
     ref, asc = Kernels(), AscendKernels(strict=True)
     g = torch.Generator().manual_seed(7)
 
-    def close(a, b, tol=2e-5):
-        a = a if isinstance(a, tuple) else (a,)
-        b = b if isinstance(b, tuple) else (b,)
-        for x, y in zip(a, b, strict=True):
-            assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
-            both_inf = torch.isinf(x) & torch.isinf(y) & (x == y)
-            err = ((x.double() - y.double()).abs() / (1 + y.double().abs()))[~both_inf].max().item()
-            assert err <= tol, err
+    from tests.helpers.subprocesses import assert_close as close
 
     # the padding the plans choose for these shapes
     ub = SMALLEST_UB
