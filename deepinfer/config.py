@@ -42,6 +42,9 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, gt=0)
     enable_prefix_caching: bool = True
     swa_replay: Literal["bounded", "exact"] = "bounded"
+    prefill_fast_path: bool = Field(
+        True, description="a prompt's layers past the last KV-sharing one (DeepSeek V4.1) compute only its last windows"
+    )
     overlap_scheduling: bool | None = Field(
         None, description="schedule the next step while the device runs this one; None: on where the device runs asynchronously"
     )

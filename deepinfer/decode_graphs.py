@@ -36,7 +36,7 @@ from .errors import ConfigError
 from .model.batch import Batch
 from .model.cache import ModelCache
 from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
-from .model.model import DeepseekV4Model
+from .model.model import CausalLM
 
 log = logging.getLogger("deepinfer")
 
@@ -101,7 +101,7 @@ class DecodeGraphs:
     """The graphs of one model and cache, and which one a decode step runs."""
 
     def __init__(
-        self, model: DeepseekV4Model, cache: ModelCache, device: Device, sizes: list[int], max_model_len: int,
+        self, model: CausalLM, cache: ModelCache, device: Device, sizes: list[int], max_model_len: int,
         fix_capacity: Callable[[int], None] | None = None, hidden_layers: tuple[int, ...] = (), drafts: int = 0,
     ) -> None:
         self.model = model

@@ -23,6 +23,7 @@ from .errors import ConfigError, DeepInferError
 from .kv_cache_manager import KVCacheManager
 from .loader import load_tokenizer, read_generation_config
 from .model.config import CSA, ModelConfig
+from .model.config_v41 import check_text_only
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .parallel.expert_parallel import ExpertParallel
@@ -49,6 +50,17 @@ def resolve_model_dir(model: str | None) -> Path:
     if not (BUNDLED_MODEL / "config.json").is_file():
         raise ConfigError(f"no model given and the bundled model is missing at {BUNDLED_MODEL}; pass --model DIR")
     return BUNDLED_MODEL
+
+
+def text_prompt(prompt: Any) -> str | list[int]:
+    """A prompt as text or token ids: vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` forms are
+    unwrapped; images (``multi_modal_data``, image content parts) are refused in one line."""
+    check_text_only(prompt)
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)):
+        return prompt if isinstance(prompt, str) else list(prompt)
+    raise InvalidRequestError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}; pass a str or list[int]")
 
 
 def replay_length(config: ModelConfig, mode: str) -> int:
@@ -102,6 +114,7 @@ class Engine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start, self.stats,
             self.speculation.admit if self.speculation is not None else None, chain=self.overlap,
             prior=self.speculation.prior if self.speculation is not None else None,
+            history_tokens=max(0, self.runner.geometry.history_window - 1),
         )
         #: user request id -> its first completion (which lists every completion in ``siblings``)
         self.requests: dict[str, Request] = {}
@@ -160,6 +173,8 @@ class Engine:
         req = Request(request_id, text, [], SamplingParams())
         self.requests[request_id] = req
         try:
+            prompt = text_prompt(prompt)
+            text = req.prompt = prompt if isinstance(prompt, str) else None
             if params is None:
                 params = SamplingParams()
             elif not isinstance(params, SamplingParams):

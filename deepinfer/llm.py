@@ -13,7 +13,8 @@ from .parallel.engines import make_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-Prompt = str | list[int]
+#: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+Prompt = str | list[int] | Mapping[str, Any]
 Params = SamplingParams | Mapping[str, Any]
 
 
@@ -43,7 +44,7 @@ class LLM:
         return self.engine.get_metrics()
 
     def _submit(self, prompts: Prompt | Sequence[Prompt], params: Params | Sequence[Params] | None) -> list[str]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
         if params is None or isinstance(params, (SamplingParams, Mapping)):

@@ -28,7 +28,7 @@ from .model.batch import Batch
 from .model.cache import ModelCache
 from .model.cache_spec import CacheGeometry, block_size_for
 from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
-from .model.model import DeepseekV4Model
+from .model.model import CausalLM
 from .parallel.expert_parallel import ExpertParallel, StepDispatch, StepKind
 from .registry import SelectedBackend
 from .model.dspark import DSparkConfig, DSparkDraft, DSparkRing
@@ -124,7 +124,7 @@ class ModelRunner:
         self.dtype = self._dtype(cfg.dtype)
         self.stats = stats if stats is not None else EngineStats()
         self.device.manual_seed(cfg.seed)
-        self.model = DeepseekV4Model.from_pretrained(
+        self.model = CausalLM.from_pretrained(
             model_dir, self.kernels, dtype=self.dtype, device=self.torch_device, quantization=cfg.quantization, sharding=sharding
         )
         if sharding is not None:
@@ -145,6 +145,10 @@ class ModelRunner:
             free, _ = self.device.memory_info()
             budget = int(free * cfg.kv_cache_memory_fraction)
         draft = self._draft(cfg, model_dir)
+        if draft is not None:  # the draft's context ring reads a window of the prompt's last hidden states
+            self.geometry = self.geometry.with_prefill_margin(self.config.sliding_window)
+        # the tail-only prefill moves tokens between layers on one rank; expert parallelism routes every row
+        self.prefill_fast_path = cfg.prefill_fast_path and sharding is None
         # the draft copied the stored mtp.* tensors into its own parameters (or speculation is off): drop them
         self.model.extra_tensors = {k: v for k, v in self.model.extra_tensors.items() if not k.startswith("mtp.")}
         ring = DSparkRing.bytes_per_slot(draft) if draft is not None else 0
@@ -237,13 +241,14 @@ class ModelRunner:
         if cfg.speculative_method is None:
             return None
         from .loader import read_config
+        from .model.dspark import NO_DRAFT
 
-        raw = read_config(model_dir)
+        raw = read_config(model_dir)  # the whole file: a V4.1 draft's fields sit in its text_config
         if DSparkConfig.from_hf(raw, self.config) is None:
             if cfg.speculative_method == "dspark":
                 raise ConfigError(
-                    "speculative_method 'dspark' needs a checkpoint with DSpark draft stages, but config.json has no "
-                    "dspark_* fields; run with --speculative none"
+                    f"speculative_method 'dspark' needs a checkpoint with DSpark draft stages, but {NO_DRAFT}; "
+                    "run with --speculative none"
                 )
             return None
         return DSparkDraft.from_target(self.model, raw)
@@ -254,7 +259,12 @@ class ModelRunner:
             if cfg.enforce_eager is False:
                 log.warning(f"device {self.device.type} has no graph capture; running eager")
             return False
-        return not cfg.enforce_eager if cfg.enforce_eager is not None else caps.graph_by_default
+        wanted = not cfg.enforce_eager if cfg.enforce_eager is not None else caps.graph_by_default
+        blocker = self.model.graph_blocker()
+        if wanted and blocker is not None:
+            log.warning(f"decode graphs are off: {blocker}; running eager")
+            return False
+        return wanted
 
     # ----- one step -----
 
@@ -370,7 +380,8 @@ class ModelRunner:
             flat += s.num_tokens
         batch = Batch(
             tuple(tuple(s.all_token_ids) for s in compute), tuple(s.slot for s in compute),
-            tuple(s.start for s in compute), tuple(logits_indices),
+            tuple(s.start for s in compute), tuple(logits_indices), tuple(tuple(s.history_ids) for s in compute),
+            tuple(s.prefill_end for s in compute) if self.prefill_fast_path else (),
         )
         return batch, rows, np.asarray(placeholders, dtype=np.int64)
 

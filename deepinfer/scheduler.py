@@ -66,6 +66,7 @@ class Scheduler:
         admit: Callable[[list[list[float]], int], list[int]] | None = None,
         chain: bool = False,
         prior: Callable[[], Sequence[float]] | None = None,
+        history_tokens: int = 0,
     ) -> None:
         """``replay_start(hit)`` gives the position from which a request whose first ``hit``
         tokens are cached recomputes (to rebuild state that is not cached), or None when
@@ -73,8 +74,11 @@ class Scheduler:
         ready request's drafts a step verifies (``survival[r]``: its drafts' survival
         probabilities, as many as it may verify; ``budget``: the most drafted tokens in all). ``chain``:
         steps are scheduled while the previous one is in flight (overlap), so speculating requests chain;
-        ``prior()``: survival by position for a chained request that has no draft of its own yet."""
+        ``prior()``: survival by position for a chained request that has no draft of its own yet;
+        ``history_tokens``: how many tokens before a replay start a first chunk brings as history (the
+        model's n-gram look-back)."""
         self.kv = kv
+        self.history_tokens = history_tokens
         self.chain = chain
         self.prior = prior
         self.replay_start = replay_start
@@ -242,6 +246,8 @@ class Scheduler:
             block_table=list(self.kv.tables[req.request_id]),
             state_floor=req.state_floor,
             shared_prefix_tokens=req.num_cached_tokens,
+            history_ids=self._history(req, start),
+            prefill_end=req.num_tokens if prompt_lp is None and not draft and not req.num_pending and not chained else 0,
             logit_offsets=offsets,
             sample=req.sample_spec if samples else None,
             prompt_logprobs=prompt_lp,
@@ -256,6 +262,13 @@ class Scheduler:
             req.num_pending += 1
             if req.request_id in self._forks and not req.output_token_ids:
                 self._fork_siblings(out, req)
+
+    def _history(self, req: Request, start: int) -> list[int]:
+        """The tokens before ``start`` a sequence's first chunk after a prefix hit brings as history."""
+        if not self.history_tokens or start == 0 or start != req.state_floor:
+            return []
+        first = max(0, start - self.history_tokens)
+        return req.token_slice(first, start - first)
 
     def _fork_siblings(self, out: SchedulerOutput, source: Request) -> None:
         """Start the siblings waiting on ``source`` as copies of its state at the end of its prompt."""

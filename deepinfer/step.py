@@ -76,6 +76,12 @@ class ScheduledSequence:
     state_floor: int = 0
     #: leading tokens whose compressed entries it shares with other sequences (never rewritten)
     shared_prefix_tokens: int = 0
+    #: the token ids just before ``start`` when its state lacks them (its first chunk after a prefix hit):
+    #: what the model's n-gram look-back reads
+    history_ids: list[int] = field(default_factory=list)
+    #: where the prefill this record belongs to ends when only that end's logits are wanted (0: unknown, or
+    #: every position's logits wanted): layers past the last shared-state one compute only its tail
+    prefill_end: int = 0
     #: offsets into ``token_ids`` whose logits the step needs (prompt log-probabilities, then the sample)
     logit_offsets: list[int] = field(default_factory=list)
     #: set when the step draws a token for this sequence (from its last logits row)

@@ -1,4 +1,4 @@
-"""DeepSeek V4.1 (``deepseek_v41``): its composite config, derived layer roles, the generation refusal and ``inspect``.
+"""DeepSeek V4.1 (``deepseek_v41``): its composite config, derived layer roles, the engine config and ``inspect``.
 
 The config is the release's (tests/helpers/published.py); the byte figures it
 must reproduce are the release's own: one routed expert, one Engram row, the
@@ -19,8 +19,8 @@ import pytest
 from deepinfer.errors import ConfigError
 from deepinfer.loader import read_config
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.config import SHARED, SLIDING
 from deepinfer.model.config_v41 import (
-    GENERATION_REFUSAL,
     IMAGES_REFUSAL,
     DeepseekV41Config,
     check_text_only,
@@ -123,28 +123,23 @@ def test_a_bad_quantization_config_is_named():
         DeepseekV41Config.from_hf(raw)
 
 
-def test_generation_is_refused_precisely_after_the_config_validates(tmp_path):
+def test_the_engine_config_carries_the_roles_after_the_config_validates(tmp_path):
     directory = _write(tmp_path / "v41", V41_FLASH)
-    with pytest.raises(ConfigError) as info:
-        read_config(directory)
-    assert str(info.value) == GENERATION_REFUSAL
-    with pytest.raises(ConfigError) as info:
-        ModelConfig.from_hf(V41_FLASH)
-    assert str(info.value) == GENERATION_REFUSAL
-    # a broken V4.1 config is named first, not hidden behind the refusal
+    assert read_config(directory)["model_type"] == "deepseek_v41"
+    config = ModelConfig.from_hf(V41_FLASH)
+    assert config.layer_types == [SLIDING] * 2 + [SHARED] * 38
+    assert [config.layer_ratio(i) for i in (0, 2, 19, 20, 39)] == [0, 2, 2, 1, 1] and config.ratios == [1, 2]
+    assert config.quantization.weight_block_size == (32, 32) and config.quantization.expert_dtype == "fp4"
+    assert config.v41.kv_source_layer_ids == [2, 8, 14, 20] and config.mlp_layer_types == ["moe"] * 40
+    # a broken V4.1 config is named when it is read
     broken = _write(tmp_path / "broken", _release(kv_source_layer_ids=[8, 14, 20]))
     with pytest.raises(ConfigError, match="kv_source_layer_ids"):
         read_config(broken)
 
 
-def test_generate_cli_refuses_in_one_line(tmp_path):
-    directory = _write(tmp_path / "v41", V41_FLASH)
-    proc = subprocess.run(
-        [sys.executable, "-m", "deepinfer.cli", "generate", "--model", str(directory), "--prompt", "hi", "--max-tokens", "2"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert GENERATION_REFUSAL in proc.stderr and "Traceback" not in proc.stderr
+def test_a_kv_source_must_run_the_indexer():
+    with pytest.raises(ConfigError, match=r"kv_source_layer_ids holds \[14\], which index_source_layer_ids .* lacks"):
+        DeepseekV41Config.from_hf(_release(index_source_layer_ids=[2, 8, 20, 24, 28, 32, 36]))
 
 
 def test_images_are_refused():

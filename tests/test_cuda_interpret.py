@@ -23,6 +23,8 @@ OWN_OPS = {
     "moe_route", "hash_route", "swiglu", "moe_experts",
     # quantized weights
     "fp8_linear", "moe_experts_quantized",
+    # DeepSeek V4.1: its hyper-connections, two-level top-k and Engram
+    "mhc_mix", "mhc_collapse", "candidate_blocks", "engram_hash", "engram_lookup", "engram_inject",
 }
 
 
@@ -61,7 +63,7 @@ def test_conformance_interpret_passes_every_own_op(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     proc = _run(
         ["-m", "deepinfer.cli", "conformance", "--backend", "cuda", "--interpret", "--report", str(report_path)],
-        interpret=True,
+        interpret=True, timeout=420,
     )
     assert report_path.exists(), proc.stderr
     report = json.loads(report_path.read_text())

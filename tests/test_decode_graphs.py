@@ -95,7 +95,17 @@ def _budget(ckpt) -> int:
     return 8 * g.bytes_per_slot(torch.float32) + (g.blocks_for(256) + 1) * g.bytes_per_block(torch.float32)
 
 
-def test_graph_replay_equals_eager_with_prefix_hits_preemption_and_grammar(ckpt, plugins):
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    from tests.helpers.tiny_v41 import write_tiny_v41
+
+    return write_tiny_v41(tmp_path_factory.mktemp("v41") / "tiny")
+
+
+@pytest.mark.parametrize("model", ["ckpt", "v41"])
+def test_graph_replay_equals_eager_with_prefix_hits_preemption_and_grammar(model, plugins, request):
+    """DeepSeek V4 and V4.1 (its shared pools, tail-only prefill, Engram ring and placeholders) alike."""
+    ckpt = request.getfixturevalue(model)
     out = _python(WORKLOAD, plugins, str(ckpt), str(_budget(ckpt)))
     graph, eager = out["graph"], out["eager"]
     assert graph["tokens"] == eager["tokens"] and graph["text"] == eager["text"]

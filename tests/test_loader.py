@@ -95,7 +95,7 @@ def test_read_config_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(CheckpointError) as err:
         read_config(tmp_path)
-    assert str(err.value) == "unknown model_type 'llama': deepinfer runs deepseek_v4 checkpoints"
+    assert str(err.value) == "unknown model_type 'llama': deepinfer runs deepseek_v4 and deepseek_v41 checkpoints"
     assert isinstance(err.value, DeepInferError)
     (tmp_path / "generation_config.json").write_text("{oops")
     with pytest.raises(CheckpointError, match=r"generation_config.json.* is not valid JSON"):

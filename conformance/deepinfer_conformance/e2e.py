@@ -93,9 +93,9 @@ def encode_prompts(model_dir: Path, prompts: Sequence[tuple[str, str]]) -> list[
 
 
 def _load(model_dir: Path, kernels: Kernels, dtype: torch.dtype, device: torch.device):
-    from deepinfer.model.model import DeepseekV4Model
+    from deepinfer.model.model import CausalLM
 
-    return DeepseekV4Model.from_pretrained(model_dir, kernels, dtype=dtype, device=device)
+    return CausalLM.from_pretrained(model_dir, kernels, dtype=dtype, device=device)
 
 
 def step_logprobs(

@@ -50,15 +50,16 @@ def read_config_json(model_dir: str | Path) -> dict:
 
 
 def read_config(model_dir: str | Path) -> dict:
-    """The raw config.json of a DeepSeek-V4 checkpoint directory, as a dict; any other model type is refused."""
+    """The raw config.json of a DeepSeek-V4 or V4.1 checkpoint directory, as a dict (a V4.1 one validated,
+    naming a bad field); any other model type is refused."""
     config = read_config_json(model_dir)
     model_type = config.get("model_type")
     if model_type == "deepseek_v41":
-        from ..model.config_v41 import refuse_generation
+        from ..model.config_v41 import DeepseekV41Config
 
-        refuse_generation(config)  # names a bad field first, then says V4.1 is not runnable yet
-    if model_type != MODEL_TYPE:
-        raise CheckpointError(f"unknown model_type {model_type!r}: deepinfer runs {MODEL_TYPE} checkpoints")
+        DeepseekV41Config.from_hf(config)
+    elif model_type != MODEL_TYPE:
+        raise CheckpointError(f"unknown model_type {model_type!r}: deepinfer runs {MODEL_TYPE} and deepseek_v41 checkpoints")
     return config
 
 

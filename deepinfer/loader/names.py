@@ -7,10 +7,14 @@ without the ``model.`` prefix, calls the embedding ``embed``, the final norm and
 head collapse top-level tensors, and the attention's kv norm ``kv_norm``; block
 scales sit beside their weights as ``.scale`` (V4) or ``_scale_inv`` (V3).
 
+transformers' DeepSeek V4.1 spells the embedding ``model.embed``, the kv norm
+``kv_norm`` and the head ``lm_head``; those load too.
+
 ``mtp.*`` (the DSpark draft) keeps its release names. Other spellings of the
 draft's tensors load under them too: transformers' (``hc_head.hc_fn``, a stage's
-kv norm as ``attn.norm``), V3-style ``weight_scale_inv`` scales, and deepinfer's
-earlier Markov-head names (``markov_head.embed`` / ``markov_head.proj``).
+kv norm as ``attn.norm``), V3-style ``weight_scale_inv`` scales, and the Markov
+head as ``markov_head.embed`` / ``markov_head.proj`` (deepinfer's earlier names)
+or ``markov_head.head`` (DeepSeek V4.1's release).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ RULES: tuple[tuple[str, str], ...] = (
     (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
     (r"^layers\.(\d+)\.attn\.kv_norm\.weight$", r"model.layers.\1.attn.norm.weight"),
     (r"^layers\.(\d+)\.(.+)$", r"model.layers.\1.\2"),
+    (r"^model\.embed\.weight$", "model.embed_tokens.weight"),
+    (r"^model\.layers\.(\d+)\.attn\.kv_norm\.weight$", r"model.layers.\1.attn.norm.weight"),
+    (r"^lm_head\.weight$", "head.weight"),
 )
 
 #: (other spelling, release name) of the DSpark draft's tensors, the first match wins
@@ -32,6 +39,7 @@ DRAFT_RULES: tuple[tuple[str, str], ...] = (
     (r"^mtp\.(\d+)\.hc_head\.hc_(fn|base|scale)$", r"mtp.\1.hc_head_\2"),
     (r"^mtp\.(\d+)\.markov_head\.embed\.weight$", r"mtp.\1.markov_head.markov_w1.weight"),
     (r"^mtp\.(\d+)\.markov_head\.proj\.weight$", r"mtp.\1.markov_head.markov_w2.weight"),
+    (r"^mtp\.(\d+)\.markov_head\.head\.weight$", r"mtp.\1.markov_head.markov_w2.weight"),
 )
 
 _COMPILED = tuple((re.compile(p), r) for p, r in RULES)

@@ -5,7 +5,7 @@ from .cache import COMPRESSOR, INDEXER, ContiguousCache, ModelCache
 from .cache_spec import CacheGeometry, LayerCacheSpec, block_size_for
 from .config import CSA, HCA, SLIDING, ModelConfig, RopeParams
 from .inputs import ForwardInputs, StepLayout, StepShape
-from .model import DeepseekV4Model
+from .model import CausalLM, DeepseekV4Model
 
 __all__ = [
     "Batch",
@@ -21,6 +21,7 @@ __all__ = [
     "HCA",
     "SLIDING",
     "ContiguousCache",
+    "CausalLM",
     "DeepseekV4Model",
     "ModelCache",
     "ModelConfig",

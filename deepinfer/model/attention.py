@@ -57,14 +57,13 @@ class Indexer(ParamTree):
         return k.topk_select(scores, meta.visible_kv, min(self.topk, meta.visible_kv.shape[1]))
 
 
-class Attention(ParamTree):
-    """Every map of the layer's input (``wq_a``, ``wkv``, and the compressors' and indexer's) runs in as
-    few matmuls as their storage allows; each map keeps its checkpoint key and a view of its rows."""
+class LatentAttention(ParamTree):
+    """What every DeepSeek V4 / V4.1 attention holds: the low-rank q's norm and up-projection, the K=V
+    latent's norm, the sinks and the grouped output projection; and the attention over pool rows."""
 
-    def __init__(self, config: ModelConfig, layer_type: str, dtype: torch.dtype, device, plan: QuantPlan, role: str = "attn") -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, plan: QuantPlan, role: str) -> None:
         super().__init__(device)
         c = config
-        self.layer_type = layer_type
         self.heads, self.head_dim, self.groups = c.num_attention_heads, c.head_dim, c.o_groups
         self.eps = c.rms_norm_eps
         hd = c.num_attention_heads * c.head_dim
@@ -77,6 +76,24 @@ class Attention(ParamTree):
         self.wo_a = linear_param(self, "wo_a", c.o_groups * c.o_lora_rank, hd // c.o_groups, dtype, wo_a)
         self.wo_b = linear_param(self, "wo_b", c.hidden_size, c.o_groups * c.o_lora_rank, dtype, plan.storage(f"{role}.wo_b"))
         self.sinks = self.param("attn_sink", (c.num_attention_heads,), torch.float32)
+
+    def attend(self, k: Kernels, q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, meta: LayerMeta) -> torch.Tensor:
+        """``[T, D]``: the heads' attention over ``rows`` of ``pool``, un-rotated, through the grouped output."""
+        t = q.shape[0]
+        out = k.sparse_attention(q, pool, rows, self.sinks, self.head_dim**-0.5)
+        out = k.rope(out, meta.cos, meta.sin, inverse=True)
+        grouped = out.reshape(t, self.groups, self.heads * self.head_dim // self.groups)
+        return linear(k, grouped_output(k, grouped, self.wo_a, self.groups), self.wo_b)
+
+
+class Attention(LatentAttention):
+    """Every map of the layer's input (``wq_a``, ``wkv``, and the compressors' and indexer's) runs in as
+    few matmuls as their storage allows; each map keeps its checkpoint key and a view of its rows."""
+
+    def __init__(self, config: ModelConfig, layer_type: str, dtype: torch.dtype, device, plan: QuantPlan, role: str = "attn") -> None:
+        super().__init__(config, dtype, device, plan, role)
+        c = config
+        self.layer_type = layer_type
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if layer_type in (CSA, HCA):
@@ -110,10 +127,7 @@ class Attention(ParamTree):
             self.compressor(k, projected[2], projected[3], meta, cache.state_pool(layer, COMPRESSOR), pool, meta.emit_kv_slot)
             extra = self.indexer(k, projected[4:], q_lat, meta, cache, layer) if self.indexer is not None else meta.visible_kv
             rows = torch.cat([rows, extra], dim=1)
-        out = k.sparse_attention(q, pool, rows, self.sinks, self.head_dim**-0.5)
-        out = k.rope(out, meta.cos, meta.sin, inverse=True)
-        grouped = out.reshape(t, self.groups, self.heads * self.head_dim // self.groups)
-        return linear(k, grouped_output(k, grouped, self.wo_a, self.groups), self.wo_b)
+        return self.attend(k, q, pool, rows, meta)
 
 
 def grouped_output(k: Kernels, grouped: torch.Tensor, wo_a, groups: int) -> torch.Tensor:

@@ -24,6 +24,13 @@ class Batch:
     start_positions: tuple[int, ...]
     #: rows of the flattened batch whose logits the step returns
     logits_indices: tuple[int, ...]
+    #: per sequence, the token ids just before its start that its state lacks (its first chunk after a
+    #: prefix hit: the Engram n-grams look back over them); empty, or one empty tuple per sequence, when none
+    history: tuple[tuple[int, ...], ...] = ()
+    #: per sequence, where the prefill it belongs to ends when only that end's logits are wanted (its
+    #: prompt's length): the layers after the last shared-state one then compute only the tail before it;
+    #: 0 (or empty) computes every position
+    prefill_end: tuple[int, ...] = ()
 
     @property
     def query_lens(self) -> tuple[int, ...]:

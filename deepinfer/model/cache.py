@@ -64,12 +64,25 @@ class ModelCache:
         self._kv: list[torch.Tensor] = []
         self._state: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         self._index: list[torch.Tensor] = []
+        #: per layer, the first kv-pool row of its window ring, and of its pool's compressed entries
+        self.window_base: list[int] = []
+        self.entry_base: list[int] = []
         zeros = dict(dtype=dtype, device=device)
-        for lt in geometry.layer_types:
+        for i, lt in enumerate(geometry.layer_types):
             spec = geometry.specs[lt]
-            self._kv.append(torch.zeros(num_slots * spec.window_rows + num_blocks * spec.entries_per_block, spec.head_dim, **zeros))
+            owner, member = geometry.window_pools[i]
+            owner_spec = geometry.specs[geometry.layer_types[owner]]
+            windows = geometry.pool_members(owner) * num_slots * spec.window_rows
+            entries = num_blocks * owner_spec.entries_per_block
+            if owner == i:
+                self._kv.append(torch.zeros(windows + entries, spec.head_dim, **zeros))
+            else:
+                self._kv.append(self._kv[owner])
+            first = entries if geometry.entries_first else 0
+            self.window_base.append(first + member * num_slots * spec.window_rows)
+            self.entry_base.append(0 if geometry.entries_first else windows)
             states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-            if spec.compressed:
+            if spec.state_rows:
                 rows = num_slots * spec.state_rows
                 states[COMPRESSOR] = (torch.zeros(rows, spec.state_width, **zeros), torch.zeros(rows, spec.state_width, **zeros))
                 if spec.index_state_width:
@@ -79,6 +92,8 @@ class ModelCache:
                     )
             self._state.append(states)
             self._index.append(torch.zeros(num_blocks * spec.entries_per_block if spec.index_head_dim else 0, max(spec.index_head_dim, 1), **zeros))
+        #: per slot ``history_rows`` raw token ids by position: the look-back of the Engram n-grams
+        self.history = torch.zeros(num_slots * geometry.history_rows, dtype=torch.int64, device=device)
         #: per slot: its block table (-1: no block), the first position of ring state it computed
         #: itself, and how many leading tokens' entries it shares with other sequences
         self.tables = np.full((num_slots, max_blocks_per_seq), -1, dtype=np.int64)
@@ -107,22 +122,26 @@ class ModelCache:
         g = self.geometry
         for i, lt in enumerate(g.layer_types):
             spec = g.specs[lt]
-            _copy_rows(self._kv[i], src * spec.window_rows, dst * spec.window_rows, spec.window_rows)
+            base = self.window_base[i]
+            _copy_rows(self._kv[i], base + src * spec.window_rows, base + dst * spec.window_rows, spec.window_rows)
             for kv, gate in self._state[i].values():
                 for pool in (kv, gate):
                     _copy_rows(pool, src * spec.state_rows, dst * spec.state_rows, spec.state_rows)
             epb = spec.entries_per_block
-            base = self.num_slots * spec.window_rows
             for a, b in block_copies:
                 if epb:
-                    _copy_rows(self._kv[i], base + a * epb, base + b * epb, epb)
+                    _copy_rows(self._kv[i], self.entry_base[i] + a * epb, self.entry_base[i] + b * epb, epb)
                     if spec.index_head_dim:
                         _copy_rows(self._index[i], a * epb, b * epb, epb)
+        r = g.history_rows
+        if r:
+            _copy_rows(self.history, src * r, dst * r, r)
 
     # ----- pools -----
 
     def kv_pool(self, layer: int) -> torch.Tensor:
-        """``[N, head_dim]``: K=V rows of window tokens and of compressed entries."""
+        """``[N, head_dim]``: K=V rows of window tokens and of compressed entries (a V4.1 reader's pool is
+        its source's: the window rows of ``layer`` start at ``window_base[layer]``)."""
         return self._kv[layer]
 
     def state_pool(self, layer: int, branch: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,9 +153,10 @@ class ModelCache:
         return self._index[layer]
 
     def pools(self) -> list[torch.Tensor]:
-        """Every tensor the cache allocated."""
-        out = list(self._kv) + [t for states in self._state for pair in states.values() for t in pair]
-        return out + [t for t in self._index if t.shape[0]]
+        """Every tensor the cache allocated (each once)."""
+        kv = list({id(t): t for t in self._kv}.values())
+        out = kv + [t for states in self._state for pair in states.values() for t in pair]
+        return out + [t for t in self._index if t.shape[0]] + ([self.history] if self.history.numel() else [])
 
     def pool_bytes(self) -> int:
         """Bytes the pools hold."""
@@ -159,7 +179,7 @@ class ModelCache:
         e = np.where(ok, entries, 0)
         block = np.minimum(e // epb, self.tables.shape[1] - 1)
         phys = self.tables[np.where(ok, slots, 0), block]
-        base = 0 if index else self.num_slots * spec.window_rows
+        base = 0 if index or self.geometry.entries_first else self.num_slots * spec.window_rows
         return np.where(ok & (phys >= 0), base + phys * epb + e % epb, -1)
 
     def entry_write_rows_of(self, spec: LayerCacheSpec, slots: np.ndarray, entries: np.ndarray, index: bool = False) -> np.ndarray:
@@ -167,6 +187,13 @@ class ModelCache:
         rows = self.entry_rows_of(spec, slots, entries, index)
         own = entries >= self.shared[np.maximum(slots, 0)] // spec.ratio
         return np.where(own, rows, -1)
+
+    def history_rows_of(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rows of the token-history ring holding the ids at ``positions`` (the floor does not apply: the
+        ids before a replay start are written by the step that starts there)."""
+        r = self.geometry.history_rows
+        ok = (slots >= 0) & (positions >= 0)
+        return np.where(ok, slots * r + positions % max(r, 1), -1)
 
     def _ring(self, slots: np.ndarray, positions: np.ndarray, rows_per_slot: int) -> np.ndarray:
         ok = (slots >= 0) & (positions >= 0)

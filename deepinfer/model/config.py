@@ -17,13 +17,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ..errors import ConfigError
+from .config_v41_text import V41TextConfig
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
-LAYER_TYPES = (SLIDING, CSA, HCA)
+#: DeepSeek V4.1's compressed layers: compressed KV and indexer keys shared from a source layer (CSA2)
+SHARED = "shared_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA, SHARED)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
-SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 _DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
 _DEFAULT_NUM_HASH_LAYERS = 3
 
@@ -139,6 +142,10 @@ class ModelConfig(BaseModel):
     rope_compress: RopeParams
     #: None: an unquantized checkpoint
     quantization: QuantizationConfig | None = None
+    #: router logits are divided by it before scoring (DeepSeek V4.1)
+    gate_temp: float = 1.0
+    #: a DeepSeek V4.1 checkpoint's text config: its per-layer KV / index / Engram roles (None for V4)
+    v41: V41TextConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -160,11 +167,27 @@ class ModelConfig(BaseModel):
         for t in (CSA, HCA):
             if t in self.layer_types and self.compress_rates.get(t, 0) <= 0:
                 raise ValueError(f"compress_rates[{t!r}] must be a positive integer")
+        if (SHARED in self.layer_types) != (self.v41 is not None):
+            raise ValueError(f"layer type {SHARED!r} is DeepSeek V4.1's and needs its text config (and only it)")
         return self
 
     def compress_ratio(self, layer_type: str) -> int:
-        """Source tokens per compressed entry of ``layer_type`` (0 for sliding-window layers)."""
+        """Source tokens per compressed entry of ``layer_type`` (0 for sliding-window layers); V4.1's
+        shared layers have one ratio per layer (``layer_ratio``)."""
+        if layer_type == SHARED:
+            raise ValueError(f"{SHARED} layers have a ratio per layer; use layer_ratio(i)")
         return 0 if layer_type == SLIDING else self.compress_rates[layer_type]
+
+    def layer_ratio(self, layer: int) -> int:
+        """Source tokens per compressed entry of layer ``layer`` (0: sliding window only)."""
+        if self.v41 is not None:
+            return self.v41.compress_ratios[layer]
+        return self.compress_ratio(self.layer_types[layer])
+
+    @property
+    def ratios(self) -> list[int]:
+        """The distinct compress ratios of the compressed layers, ascending."""
+        return sorted({r for r in (self.layer_ratio(i) for i in range(self.num_hidden_layers)) if r})
 
     @property
     def num_hash_layers(self) -> int:
@@ -175,9 +198,9 @@ class ModelConfig(BaseModel):
         """Parse a raw ``config.json`` mapping; bad or unsupported values raise ``ConfigError``."""
         model_type = raw.get("model_type")
         if model_type == "deepseek_v41":
-            from .config_v41 import refuse_generation
+            from .config_v41 import DeepseekV41Config
 
-            refuse_generation(raw)  # names a bad field first, then says V4.1 is not runnable yet
+            return DeepseekV41Config.from_hf(raw).to_model_config()
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"config.json has model_type {model_type!r}, which this engine does not run; "
@@ -240,6 +263,12 @@ def _fold_legacy(raw: dict[str, Any]) -> dict[str, Any]:
         factor = legacy / head_dim if legacy is not None else 64 / 512
     raw["qk_rope_head_dim"] = int(head_dim * factor)
 
+    raw["rope_main"], raw["rope_compress"] = fold_rope(raw)
+    return raw
+
+
+def fold_rope(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The main and compress rotary parameters from ``rope_parameters`` / ``rope_scaling`` / the thetas."""
     rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         main, compress = dict(rp["main"]), dict(rp["compress"])
@@ -259,8 +288,7 @@ def _fold_legacy(raw: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"rope_type {params['rope_type']!r} is not supported; DeepSeek-V4 uses 'default' or 'yarn'")
         if params["rope_type"] == "yarn":
             params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 1048576))
-    raw["rope_main"], raw["rope_compress"] = main, compress
-    return raw
+    return main, compress
 
 
 def invalid_config(model: str, exc: ValidationError) -> ConfigError:

@@ -29,6 +29,11 @@ per-position temperatures ``dspark_confidence_temperatures`` (a calibration,
 
 Weights load as the checkpoint stores them (FP8 linears and FP4 routed experts
 stay quantized, as the target's do). All compute goes through ``Kernels`` ops.
+
+DeepSeek V4.1's draft (``dspark_v41.py``) keeps this layout and these heads but
+builds its stages as V4.1 layers; its fields sit in ``text_config``, with its
+own routed-expert count and top-k (``dspark_n_routed_experts``,
+``dspark_num_experts_per_tok``) and ``num_nextn_predict_layers`` stages.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ DEFAULT_CONTEXT_WINDOW = 128
 #: dtypes of parameters held plain (a quantized weight stored for one is dequantized)
 PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SHOWN_NAMES = 3
+#: why speculation cannot run on a checkpoint whose config.json declares no draft
+NO_DRAFT = "config.json declares no DSpark draft (no dspark_* fields; for V4.1, num_nextn_predict_layers is 0)"
 
 
 class DSparkConfig(BaseModel):
@@ -81,18 +88,23 @@ class DSparkConfig(BaseModel):
     dspark_context_window: int = DEFAULT_CONTEXT_WINDOW
     #: per-position temperatures of the confidence logits (None: all 1), fitted on text the draft did not train on
     dspark_confidence_temperatures: list[float] | None = None
+    #: the stages' routed experts and how many each token picks (None: the target's)
+    dspark_n_routed_experts: int | None = None
+    dspark_num_experts_per_tok: int | None = None
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], model: ModelConfig, stored: Iterable[str] | None = None) -> "DSparkConfig | None":
         """The draft's config, or None when config.json declares no DSpark draft; ``stored``: the checkpoint's
-        ``mtp.*`` tensor names, which give the stage count when config.json does not."""
-        if "dspark_block_size" not in raw:
+        ``mtp.*`` tensor names, which give the stage count when config.json does not. ``raw`` is the whole
+        config.json (a V4.1 one is composite: its draft's fields are read from ``text_config``)."""
+        fields = draft_fields(raw, model)
+        if fields is None:
             return None
-        head = raw.get("dspark_markov_head_type", "vanilla")
+        head = fields.get("dspark_markov_head_type", "vanilla")
         if head != "vanilla":
             raise ConfigError(f"dspark_markov_head_type is {head!r}; deepinfer runs the 'vanilla' Markov head only")
         try:
-            cfg = cls.model_validate({**raw, **_resolved_fields(raw, stored)})
+            cfg = cls.model_validate({**fields, **_resolved_fields(fields, stored)})
         except ValidationError as exc:
             err = exc.errors()[0]
             raise ConfigError(f"invalid DSpark config: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
@@ -110,12 +122,42 @@ class DSparkConfig(BaseModel):
         stages = 1 if self.dspark_num_stages is None else self.dspark_num_stages
         if min(self.dspark_block_size, self.dspark_markov_rank, self.dspark_context_window, stages) < 1:
             raise ConfigError("dspark_block_size, the stage count, dspark_markov_rank and the context window must be positive")
+        experts = model.n_routed_experts if self.dspark_n_routed_experts is None else self.dspark_n_routed_experts
+        per_tok = model.num_experts_per_tok if self.dspark_num_experts_per_tok is None else self.dspark_num_experts_per_tok
+        if not 0 < per_tok <= experts:
+            raise ConfigError(
+                f"dspark_num_experts_per_tok={per_tok} must be positive and at most the draft's {experts} routed experts; fix config.json"
+            )
         temps = self.dspark_confidence_temperatures
         if temps is not None and (len(temps) != self.dspark_block_size or min(temps) <= 0):
             raise ConfigError(
                 f"dspark_confidence_temperatures {temps} must hold {self.dspark_block_size} positive values, one per block position; "
                 "refit them or remove the field"
             )
+
+
+#: V4.1's draft fields that ``V41TextConfig`` validates and gives defaults for
+V41_DRAFT_FIELDS = (
+    "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+    "dspark_n_routed_experts", "dspark_num_experts_per_tok",
+)
+
+
+def draft_fields(raw: dict[str, Any], model: ModelConfig) -> dict[str, Any] | None:
+    """config.json's draft fields, or None when it declares no draft. V4: the top level, declared by
+    ``dspark_block_size``. V4.1: ``text_config`` with the validated text config's values (its defaults where
+    the file is silent), declared by ``num_nextn_predict_layers`` > 0, which is then the stage count unless
+    ``n_mtp_layers`` / ``dspark_num_stages`` say otherwise."""
+    text = model.v41
+    if text is None:
+        return raw if "dspark_block_size" in raw else None
+    if not text.num_nextn_predict_layers:
+        return None
+    given = raw.get("text_config") or {}
+    fields = {**given, **text.model_dump(include=set(V41_DRAFT_FIELDS))}
+    if given.get("dspark_num_stages") is None and given.get("n_mtp_layers") is None:
+        fields["n_mtp_layers"] = text.num_nextn_predict_layers
+    return fields
 
 
 def _resolved_fields(raw: dict[str, Any], stored: Iterable[str] | None) -> dict[str, Any]:
@@ -164,9 +206,15 @@ class _Header:
     shape: tuple[int, ...]
 
 
-def _stage_config(config: ModelConfig) -> ModelConfig:
-    """A one-layer config whose layer is sliding-window attention with a routed MoE."""
-    return config.model_copy(update=dict(num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"]))
+def stage_config(config: ModelConfig, draft: DSparkConfig) -> ModelConfig:
+    """A one-layer config whose layer is sliding-window attention with a routed MoE of the draft's expert
+    count and top-k (the target's where the draft gives none)."""
+    update: dict[str, Any] = dict(num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"])
+    if draft.dspark_n_routed_experts is not None:
+        update["n_routed_experts"] = draft.dspark_n_routed_experts
+    if draft.dspark_num_experts_per_tok is not None:
+        update["num_experts_per_tok"] = draft.dspark_num_experts_per_tok
+    return config.model_copy(update=update)
 
 
 def draft_plan(stored: dict[str, torch.Tensor], block: tuple[int, int]) -> QuantPlan:
@@ -224,19 +272,17 @@ class DSparkDraft(ParamTree):
         self.embed, self.head, self.rope = target.embed, target.head, target.rope_main
         self.dtype = target.dtype
         self.eps = mc.rms_norm_eps
-        d, n, r = mc.hidden_size, mc.hc_mult, c.dspark_markov_rank
+        d, r = mc.hidden_size, c.dspark_markov_rank
         root = self.child("mtp", ParamTree(target.device))
-        stage_cfg = _stage_config(mc)
-        self.stages = [DecoderLayer(stage_cfg, 0, self.dtype, target.device, plan) for _ in range(c.dspark_num_stages)]
+        stage_cfg = stage_config(mc, c)
+        self.stages = [self._stage(stage_cfg, plan) for _ in range(c.dspark_num_stages)]
         for i, stage in enumerate(self.stages):
             root.child(str(i), stage)
         first, last = self.stages[0], self.stages[-1]
         width = len(c.dspark_target_layer_ids) * d
         self.main_proj = linear_param(first, "main_proj", d, width, self.dtype, plan.storage("main_proj"))
         self.main_norm = first.param("main_norm.weight", (d,), torch.float32)
-        self.hc_fn = last.param("hc_head_fn", (n, n * d), torch.float32)
-        self.hc_base = last.param("hc_head_base", (n,), torch.float32)
-        self.hc_scale = last.param("hc_head_scale", (1,), torch.float32)
+        self._head_collapse(last)
         self.norm = last.param("norm.weight", (d,), torch.float32)
         self.markov_w1 = last.param("markov_head.markov_w1.weight", (mc.vocab_size, r), self.dtype)
         self.markov_w2 = last.param("markov_head.markov_w2.weight", (mc.vocab_size, r), self.dtype)
@@ -244,6 +290,17 @@ class DSparkDraft(ParamTree):
         temps = c.dspark_confidence_temperatures or [1.0] * c.dspark_block_size
         #: ``[γ]`` the confidence logits' per-position temperatures
         self.confidence_temperature = torch.tensor(temps, dtype=torch.float32, device=target.device)
+
+    def _stage(self, config: ModelConfig, plan: QuantPlan) -> ParamTree:
+        """One stage: a V4 decoder layer of the one-layer stage ``config``."""
+        return DecoderLayer(config, 0, self.dtype, self.device, plan)
+
+    def _head_collapse(self, last: ParamTree) -> None:
+        """The last stage's learned collapse of the streams (``hc_head_*``)."""
+        n, d = self.model_config.hc_mult, self.model_config.hidden_size
+        self.hc_fn = last.param("hc_head_fn", (n, n * d), torch.float32)
+        self.hc_base = last.param("hc_head_base", (n,), torch.float32)
+        self.hc_scale = last.param("hc_head_scale", (1,), torch.float32)
 
     @classmethod
     def from_target(cls, target, raw_config: dict[str, Any], quantization: str | None = None) -> "DSparkDraft":
@@ -256,7 +313,7 @@ class DSparkDraft(ParamTree):
         stored = {name: t for name, t in target.extra_tensors.items() if name.startswith("mtp.")}
         cfg = DSparkConfig.from_hf(raw_config, target.config, stored)
         if cfg is None:
-            raise ConfigError("config.json has no dspark_* fields, so the checkpoint carries no DSpark draft; run without speculative decoding")
+            raise ConfigError(f"{NO_DRAFT}; run without speculative decoding")
         if cfg.dspark_num_stages == 0:
             raise CheckpointError("config.json declares a DSpark draft but the checkpoint has no mtp.0.* stage tensors; use a checkpoint with its draft stages")
         mode = quantization or ("auto" if target.plan.roles else "dequantize")
@@ -264,7 +321,8 @@ class DSparkDraft(ParamTree):
             raise ConfigError(f"quantization {mode!r} is not one of 'auto', 'dequantize'")
         q = target.config.quantization
         block = tuple(q.weight_block_size) if q is not None else DEFAULT_BLOCK
-        draft = cls(target, cfg, draft_plan(stored, block) if mode == "auto" else QuantPlan())
+        kind = draft_class(target) if cls is DSparkDraft else cls
+        draft = kind(target, cfg, draft_plan(stored, block) if mode == "auto" else QuantPlan())
         draft.load(stored, block)
         return draft
 
@@ -340,14 +398,17 @@ class DSparkDraft(ParamTree):
 
     # ----- one pass -----
 
-    def _attention(self, stage: DecoderLayer, x: torch.Tensor, cos, sin, ctx_kv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _queries(self, attn, q_lat: torch.Tensor) -> torch.Tensor:
+        """``[T, heads, head_dim]`` queries of the normed q latents ``[T, q_lora_rank]`` (V4 norms each head)."""
+        q = linear(self.kernels, q_lat, attn.wq_b).view(q_lat.shape[0], attn.heads, attn.head_dim)
+        return self.kernels.rms_norm(q, None, self.eps)
+
+    def _attention(self, stage: ParamTree, x: torch.Tensor, cos, sin, ctx_kv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The stage's attention of block rows ``x`` over its context rows and the block."""
         k, a = self.kernels, stage.attn
         t = x.shape[0]
         q_in, kv_in = a.proj_in(k, x)
-        q_lat = k.rms_norm(q_in, a.q_norm, self.eps)
-        q = k.rms_norm(linear(k, q_lat, a.wq_b).view(t, a.heads, a.head_dim), None, self.eps)
-        q = k.rope(q, cos, sin)
+        q = k.rope(self._queries(a, k.rms_norm(q_in, a.q_norm, self.eps)), cos, sin)
         kv = k.rope(k.rms_norm(kv_in, a.kv_norm, self.eps), cos, sin)
         out = k.sparse_attention(q, torch.cat([ctx_kv, kv]), rows, a.sinks, a.head_dim**-0.5)
         out = k.rope(out, cos, sin, inverse=True)
@@ -355,14 +416,14 @@ class DSparkDraft(ParamTree):
         return linear(k, grouped_output(k, grouped, a.wo_a, a.groups), a.wo_b)
 
     def hidden(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: torch.Tensor, ring_rows: torch.Tensor) -> torch.Tensor:
-        """``[N, γ, D]`` hidden states of the blocks, collapsed by ``hc_head`` (before the final norm).
+        """``[N, γ, D]`` hidden states of the blocks, the streams collapsed (before the final norm).
 
         ``anchor_ids`` / ``anchor_pos`` ``[N]``: each sequence's last committed token
         and its position. ``ctx_kv`` ``[S, P, head_dim]`` holds every stage's context
         rows; ``ring_rows`` ``[N, W]`` names the rows (into ``P``, ``-1`` padding)
         each block may see.
         """
-        k, c, mc = self.kernels, self.config, self.model_config
+        c, mc = self.config, self.model_config
         g, n = c.dspark_block_size, anchor_ids.shape[0]
         dev = anchor_ids.device
         ids = torch.full((n, g), c.dspark_noise_token_id, dtype=torch.long, device=dev)
@@ -373,15 +434,20 @@ class DSparkDraft(ParamTree):
         rows = torch.cat([ring_rows[:, None, :].expand(n, g, ring_rows.shape[1]), block], dim=2).reshape(n * g, -1)
         flat_ids = ids.reshape(-1)
         streams = self.embed[flat_ids][:, None, :].expand(-1, mc.hc_mult, -1).contiguous()
+        return self._stages_forward(streams, flat_ids, cos, sin, ctx_kv, rows).view(n, g, -1)
+
+    def _stages_forward(self, streams: torch.Tensor, ids: torch.Tensor, cos, sin, ctx_kv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The stages over the block's ``[T, hc_mult, D]`` streams, collapsed to ``[T, D]``: V4 mHC (each site
+        collapses with its own ``pre``), then ``hc_head``."""
+        k, mc = self.kernels, self.model_config
         for s, stage in enumerate(self.stages):
             x, post, comb = stage.hc_attn.pre(k, streams)
             y = self._attention(stage, k.rms_norm(x, stage.attn_norm, self.eps), cos, sin, ctx_kv[s], rows)
             streams = k.mhc_post(y, streams, post, comb)
             x, post, comb = stage.hc_ffn.pre(k, streams)
-            y = stage.ffn(k, k.rms_norm(x, stage.ffn_norm, self.eps), flat_ids)
+            y = stage.ffn(k, k.rms_norm(x, stage.ffn_norm, self.eps), ids)
             streams = k.mhc_post(y, streams, post, comb)
-        h = k.mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, mc.rms_norm_eps, mc.hc_eps)
-        return h.view(n, g, -1)
+        return k.mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, mc.rms_norm_eps, mc.hc_eps)
 
     def logits(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """LM-head logits of ``hidden`` states ``[..., D]`` (normed here) plus the Markov bias of the previous tokens ``[...]``."""
@@ -448,6 +514,15 @@ class DSparkDraft(ParamTree):
             torch.stack(tokens, dim=1), torch.stack(probs, dim=1), accept, torch.cumprod(accept, dim=1),
             torch.stack(dists, dim=1) if keep_probs else None,
         )
+
+
+def draft_class(target) -> type[DSparkDraft]:
+    """The draft network a target carries: V4.1's stages for a V4.1 target, else V4's."""
+    if target.config.v41 is None:
+        return DSparkDraft
+    from .dspark_v41 import DSparkDraftV41  # it builds on this module
+
+    return DSparkDraftV41
 
 
 class DSparkRing:

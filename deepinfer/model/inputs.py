@@ -39,31 +39,52 @@ class StepShape:
     tokens: int
     seqs: int
     logits: int
-    #: per compressing layer type (``geometry.compressed_types`` order): entries visible to a token
+    #: per cache kind owning compressed entries (``geometry.entry_kinds`` order): entries visible to a token
     entries: tuple[int, ...]
-    #: per compressing layer type: entries the step's tokens complete
+    #: per cache kind owning entries: entries the step's tokens complete
     emits: tuple[int, ...]
+    #: per layer of ``geometry.prefill_tail``: the tokens it computes (all of them without a prefill tail)
+    decoder_rows: tuple[int, ...] = ()
 
     @classmethod
     def exact(cls, batch: Batch, geometry: CacheGeometry) -> "StepShape":
         """No padding: the batch's own sizes."""
-        ratios = [geometry.specs[lt].ratio for lt in geometry.compressed_types]
+        ratios = [geometry.specs[lt].ratio for lt in geometry.entry_kinds]
         spans = list(zip(batch.start_positions, batch.query_lens))
         emits = tuple(sum((s + n) // m - s // m for s, n in spans) for m in ratios)
         entries = tuple(batch.max_context_len // m for m in ratios)
-        return cls(batch.num_tokens, batch.num_seqs, len(batch.logits_indices), entries, emits)
+        rows = tuple(int(len(kept)) for kept in tail_rows(batch, geometry))
+        return cls(batch.num_tokens, batch.num_seqs, len(batch.logits_indices), entries, emits, rows)
 
     @classmethod
     def padded(cls, tokens: int, seqs: int, logits: int, context_len: int, geometry: CacheGeometry) -> "StepShape":
         """Room for ``tokens`` tokens of ``seqs`` sequences reaching at most ``context_len`` positions
         (each token may complete an entry)."""
-        ratios = [geometry.specs[lt].ratio for lt in geometry.compressed_types]
-        return cls(tokens, seqs, logits, tuple(context_len // m for m in ratios), (tokens,) * len(ratios))
+        ratios = [geometry.specs[lt].ratio for lt in geometry.entry_kinds]
+        entries = tuple(context_len // m for m in ratios)
+        return cls(tokens, seqs, logits, entries, (tokens,) * len(ratios), (tokens,) * len(geometry.prefill_tail))
+
+
+def tail_rows(batch: Batch, geometry: CacheGeometry) -> list[np.ndarray]:
+    """Per layer of ``geometry.prefill_tail``, the batch rows it computes: a token of a sequence with a
+    ``prefill_end`` ``P`` only when it lies in the layer's tail ``[P − tail, P)``, every other token always."""
+    if not geometry.prefill_tail:
+        return []
+    n = batch.num_tokens
+    ends = batch.prefill_end or (0,) * batch.num_seqs
+    lens = np.fromiter(batch.query_lens, dtype=np.int64, count=batch.num_seqs)
+    seq = np.repeat(np.arange(batch.num_seqs), lens)
+    first = np.cumsum(lens) - lens
+    pos = np.asarray(batch.start_positions, dtype=np.int64)[seq] + np.arange(n) - first[seq]
+    end = np.asarray(ends, dtype=np.int64)[seq]
+    wanted = np.zeros(n, dtype=bool)
+    wanted[list(batch.logits_indices)] = True  # a logits row runs every layer (exact only at the end)
+    return [np.flatnonzero((end <= 0) | (pos >= end - tail) | wanted) for tail in geometry.prefill_tail]
 
 
 @dataclass
 class LayerInputs:
-    """The indices of one compressing layer type (all layers of that type share them)."""
+    """The indices of one cache kind owning compressed entries (every layer reading them shares them)."""
 
     #: ``[T]`` state-ring rows receiving each token's compressor projections
     state_write: torch.Tensor
@@ -104,6 +125,18 @@ class ForwardInputs:
     layers: dict[str, LayerInputs]
     #: the flat int64 buffer every field is a view of
     buffer: torch.Tensor
+    #: ``[T]`` / ``[T, N]`` token-history ring rows: each token's own, and those of the ``N`` tokens its
+    #: n-gram spans (itself first; -1 before position 0); None without Engram
+    history_write: torch.Tensor | None = None
+    history_rows: torch.Tensor | None = None
+    #: ``[S]`` ring rows and ``[S]`` token ids written before the step (a first chunk's look-back; -1: none)
+    history_seed_rows: torch.Tensor | None = None
+    history_seed_ids: torch.Tensor | None = None
+    #: per layer of the prefill tail: the batch rows it computes, and their places among the rows the layer
+    #: before computed (``take``); ``tail_logits``: the logits rows among the last layer's rows
+    tail_rows: list[torch.Tensor] | None = None
+    tail_take: list[torch.Tensor] | None = None
+    tail_logits: torch.Tensor | None = None
 
     @property
     def live(self) -> torch.Tensor:
@@ -122,7 +155,15 @@ class StepLayout:
             ("input_ids", (t,)), ("positions", (t,)), ("placeholder_src", (t,)), ("token_seq", (t,)),
             ("logits_indices", (shape.logits,)), ("window_write", (t,)), ("window_rows", (t, w)),
         ]
-        for lt, n, e in zip(geometry.compressed_types, shape.entries, shape.emits):
+        for j, rows in enumerate(shape.decoder_rows):
+            fields += [(f"tail{j}.rows", (rows,)), (f"tail{j}.take", (rows,))]
+        if shape.decoder_rows:
+            fields.append(("tail_logits", (shape.logits,)))
+        if geometry.history_rows:
+            back = geometry.history_window
+            fields += [("history_write", (t,)), ("history_rows", (t, back)), ("history_seed_rows", (b * (back - 1),)),
+                       ("history_seed_ids", (b * (back - 1),))]
+        for lt, n, e in zip(geometry.entry_kinds, shape.entries, shape.emits):
             spec = geometry.specs[lt]
             m = spec.ratio
             fields += [(f"{lt}.state_write", (t,)), (f"{lt}.emit_rows", (e, m)), (f"{lt}.emit_kv", (e,)),
@@ -149,7 +190,7 @@ class StepLayout:
         """The typed views of a device buffer."""
         v = self.carve(buffer)
         layers = {}
-        for lt in self.geometry.compressed_types:
+        for lt in self.geometry.entry_kinds:
             layers[lt] = LayerInputs(
                 state_write=v[f"{lt}.state_write"], emit_rows=v[f"{lt}.emit_rows"], emit_kv=v[f"{lt}.emit_kv"],
                 emit_positions=v[f"{lt}.emit_positions"], visible=v[f"{lt}.visible"], seq_kv=v[f"{lt}.seq_kv"], emit_prev_rows=v.get(f"{lt}.emit_prev_rows"),
@@ -158,7 +199,12 @@ class StepLayout:
         return ForwardInputs(
             input_ids=v["input_ids"], positions=v["positions"], placeholder_src=v["placeholder_src"],
             token_seq=v["token_seq"], logits_indices=v["logits_indices"], window_write=v["window_write"],
-            window_rows=v["window_rows"], layers=layers, buffer=buffer,
+            window_rows=v["window_rows"], layers=layers, buffer=buffer, history_write=v.get("history_write"),
+            history_rows=v.get("history_rows"), history_seed_rows=v.get("history_seed_rows"),
+            history_seed_ids=v.get("history_seed_ids"),
+            tail_rows=[v[f"tail{j}.rows"] for j in range(len(self.shape.decoder_rows))] or None,
+            tail_take=[v[f"tail{j}.take"] for j in range(len(self.shape.decoder_rows))] or None,
+            tail_logits=v.get("tail_logits"),
         )
 
 
@@ -201,7 +247,37 @@ def fill_step_inputs(
     w = g.sliding_window
     v["window_rows"][:] = cache.window_rows_of(slot[:, None], pos[:, None] - np.arange(w, dtype=np.int64)[None, :])
 
-    for lt, entries, emits in zip(g.compressed_types, shape.entries, shape.emits):
+    if shape.decoder_rows:
+        kept = tail_rows(batch, g) if n else []
+        before = np.arange(shape.tokens, dtype=np.int64)
+        for j, size in enumerate(shape.decoder_rows):
+            rows = kept[j] if n else np.zeros(0, dtype=np.int64)
+            if len(rows) < size:  # a padded shape computes every row, padding included
+                rows = np.concatenate([rows, np.setdiff1d(np.arange(shape.tokens), rows)])[:size]
+                rows.sort()
+            v[f"tail{j}.rows"][:] = rows
+            v[f"tail{j}.take"][:] = np.searchsorted(before, rows)
+            before = rows
+        place = np.searchsorted(before, v["logits_indices"])
+        v["tail_logits"][:] = np.minimum(place, max(len(before) - 1, 0))
+
+    if g.history_rows:
+        back = g.history_window
+        v["history_write"][:] = cache.history_rows_of(slot, pos)
+        v["history_rows"][:] = cache.history_rows_of(slot[:, None], pos[:, None] - np.arange(back, dtype=np.int64)[None, :])
+        seed_rows = np.full((shape.seqs, back - 1), -1, dtype=np.int64)
+        seed_ids = np.zeros((shape.seqs, back - 1), dtype=np.int64)
+        for i, ids in enumerate(batch.history):
+            ids = ids[len(ids) - (back - 1):] if len(ids) > back - 1 else ids
+            if ids:
+                start = batch.start_positions[i]
+                at = np.arange(start - len(ids), start, dtype=np.int64)
+                seed_rows[i, : len(ids)] = cache.history_rows_of(np.full(len(ids), batch.seq_slots[i]), at)
+                seed_ids[i, : len(ids)] = ids
+        v["history_seed_rows"][:] = seed_rows.reshape(-1)
+        v["history_seed_ids"][:] = seed_ids.reshape(-1)
+
+    for lt, entries, emits in zip(g.entry_kinds, shape.entries, shape.emits):
         spec = g.specs[lt]
         m = spec.ratio
         v[f"{lt}.state_write"][:] = cache.state_rows_of(spec, slot, pos)

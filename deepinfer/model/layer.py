@@ -28,6 +28,10 @@ class HyperConnection:
     def pre(self, k: Kernels, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return k.mhc_pre(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
 
+    def mix(self, k: Kernels, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(pre, post, comb)`` without the collapse (V4.1: the next site collapses with this ``pre``)."""
+        return k.mhc_mix(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
+
 
 class DecoderLayer(ParamTree):
     def __init__(

@@ -7,6 +7,7 @@ value back to the host.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ from .rope import Rotary
 
 @dataclass
 class LayerMeta:
-    """What the attention of one layer type needs for the current step."""
+    """What the attention of one cache kind needs for the current step (a kind reading another kind's
+    compressed entries shares that kind's entry fields)."""
 
     layer_type: str
     #: ``[T, R/2]`` rotary angles of each token (main rope for sliding layers, compress rope otherwise)
@@ -45,6 +47,17 @@ class LayerMeta:
     #: ``[T, N]`` kv-pool / index-pool rows of the entries visible to each token (-1: not yet complete)
     visible_kv: torch.Tensor | None = None
     visible_index: torch.Tensor | None = None
+    #: ``[T]`` how many compressed entries each token sees
+    visible: torch.Tensor | None = None
+
+    def select(self, rows: torch.Tensor) -> "LayerMeta":
+        """The per-token fields at the batch rows ``rows`` (for a layer that reads entries but completes none)."""
+        picked = {
+            name: getattr(self, name).index_select(0, rows)
+            for name in ("cos", "sin", "window_write", "window_rows", "visible_kv", "visible_index", "visible")
+            if getattr(self, name) is not None
+        }
+        return dataclasses.replace(self, **picked, state_write=None)
 
 
 def _per_token(table: torch.Tensor, token_seq: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -55,10 +68,11 @@ def _per_token(table: torch.Tensor, token_seq: torch.Tensor, visible: torch.Tens
 
 
 def build_layer_metas(inputs: ForwardInputs, geometry: CacheGeometry, rope_main: Rotary, rope_compress: Rotary) -> dict[str, LayerMeta]:
-    """One ``LayerMeta`` per layer type present."""
+    """One ``LayerMeta`` per cache kind present."""
     pos = inputs.positions
     main = compress = None
     metas: dict[str, LayerMeta] = {}
+    shared: dict[str, LayerMeta] = {}
     for lt, spec in geometry.specs.items():
         if lt == SLIDING:
             main = main or rope_main(pos)
@@ -70,7 +84,13 @@ def build_layer_metas(inputs: ForwardInputs, geometry: CacheGeometry, rope_main:
         metas[lt] = meta
         if not spec.compressed:
             continue
-        li = inputs.layers[lt]
+        if spec.entry_kind in shared:  # a reader of entries another kind's fields already describe
+            owner = shared[spec.entry_kind]
+            meta.ratio, meta.visible_kv, meta.visible_index, meta.visible = owner.ratio, owner.visible_kv, owner.visible_index, owner.visible
+            meta.entry_cos, meta.entry_sin = owner.entry_cos, owner.entry_sin
+            continue
+        shared[spec.entry_kind] = meta
+        li = inputs.layers[spec.entry_kind]
         m = spec.ratio
         meta.ratio = m
         meta.state_write = li.state_write
@@ -79,6 +99,7 @@ def build_layer_metas(inputs: ForwardInputs, geometry: CacheGeometry, rope_main:
         meta.emit_kv_slot = li.emit_kv
         meta.emit_index_slot = li.emit_index
         meta.entry_cos, meta.entry_sin = rope_compress(li.emit_positions)
+        meta.visible = li.visible
         meta.visible_kv = _per_token(li.seq_kv, inputs.token_seq, li.visible)
         if li.seq_index is not None:
             meta.visible_index = _per_token(li.seq_index, inputs.token_seq, li.visible)

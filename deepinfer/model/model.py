@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 causal LM, built from ``Kernels`` ops over a flattened batch."""
+"""The DeepSeek-V4 causal LM, built from ``Kernels`` ops over a flattened batch, and what V4.1 shares with it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,121 @@ from .params import ParamTree
 from .rope import Rotary
 
 
-class DeepseekV4Model(ParamTree):
+class CausalLM(ParamTree):
+    """What every model of the family shares: loading, expert ownership, the idle rank's step and an
+    eager call; subclasses build their layers and ``forward``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        kernels: Kernels,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        plan: QuantPlan | None = None,
+        sharding: ExpertSharding | None = None,
+    ) -> None:
+        """The embedding, the head and the two rotary tables; subclasses add ``layers`` and the final norm
+        under ``self.body`` (the ``model.`` tree)."""
+        super().__init__(device)
+        self.config = config
+        self.kernels = kernels
+        self.dtype = dtype
+        self.sharding = sharding
+        self.plan = plan or QuantPlan()
+        c = config
+        self.body = self.child("model", ParamTree(device))
+        self.embed = self.body.param("embed_tokens.weight", (c.vocab_size, c.hidden_size), dtype)
+        self.head = self.embed if c.tie_word_embeddings else self.param("head.weight", (c.vocab_size, c.hidden_size), dtype)
+        self.rope_main = Rotary(c.rope_main, c.qk_rope_head_dim, c.max_position_embeddings, device)
+        self.rope_compress = Rotary(c.rope_compress, c.qk_rope_head_dim, c.max_position_embeddings, device)
+        self.layers: list = []
+        #: checkpoint tensors kept aside by ``from_pretrained`` (the ``mtp.*`` draft layers)
+        self.extra_tensors: dict[str, torch.Tensor] = {}
+        #: per layer index asked for in ``forward(..., hidden_layers=...)``, its mean output stream ``[T, D]``
+        self.hidden_states: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        kernels: Kernels,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        quantization: str = "auto",
+        sharding: ExpertSharding | None = None,
+    ) -> "CausalLM":
+        """Build from ``model_dir/config.json`` and load every checkpoint tensor.
+
+        ``quantization="auto"`` keeps every weight the checkpoint stores quantized
+        (codes with a block-scale companion) quantized; ``"dequantize"`` loads
+        every weight in ``dtype``.
+        """
+        from ..loader import load_weights, read_checkpoint, read_config
+
+        config = ModelConfig.from_hf(read_config(model_dir))
+        if cls is CausalLM:  # the family member the checkpoint holds
+            from .model_v41 import DeepseekV41Model
+
+            cls = DeepseekV41Model if config.v41 is not None else DeepseekV4Model
+        checkpoint = read_checkpoint(model_dir)
+        if quantization == "auto":
+            plan = QuantPlan.from_checkpoint(checkpoint.catalog, checkpoint.block)
+        elif quantization == "dequantize":
+            plan = QuantPlan()
+        else:
+            raise ConfigError(f"quantization {quantization!r} is not one of 'auto', 'dequantize'")
+        model = cls(config, kernels, dtype=dtype, device=device, plan=plan, sharding=sharding,
+                    **cls.checkpoint_kwargs(config, checkpoint))
+        model.extra_tensors = load_weights(model.named_parameters(), checkpoint, keep_prefixes=("mtp.",), skip=model.not_loaded)
+        for layer in model.layers:
+            layer.ffn.fill_replicas()
+        model.loaded(checkpoint)
+        return model
+
+    @classmethod
+    def checkpoint_kwargs(cls, config: ModelConfig, checkpoint) -> dict:
+        """Constructor arguments a model takes from the checkpoint itself (tensors it reads lazily)."""
+        return {}
+
+    def loaded(self, checkpoint) -> None:
+        """Called once the checkpoint's tensors are in (a model that reads others lazily opens them here)."""
+
+    def graph_blocker(self) -> str | None:
+        """Why a step of this model cannot be captured as a graph on its device (None: it can)."""
+        return None
+
+    def not_loaded(self, name: str) -> bool:
+        """True for a checkpoint tensor (model name) that loading leaves in the files: another rank's expert."""
+        return self.sharding is not None and self.foreign_expert(name)
+
+    def foreign_expert(self, name: str) -> bool:
+        """True for a checkpoint tensor (model name) of a routed expert this rank does not hold."""
+        where = expert_of(name)
+        if where is None:
+            return False
+        layer, expert = where
+        return layer < len(self.layers) and expert not in self.layers[layer].ffn.slots
+
+    @torch.inference_mode()
+    def join_step(self) -> None:
+        """An idle rank's step under expert parallelism: every layer's dispatch and combine, no tokens."""
+        x = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for layer in self.layers:
+            layer.ffn.join(self.kernels, x)
+
+    def forward(self, inputs: ForwardInputs, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def __call__(self, batch: Batch, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """One eager step from a host ``Batch`` (its inputs built unpadded and copied to the device)."""
+        cache.begin_forward(batch)
+        return self.forward(step_inputs(batch, cache, self.device), cache, hidden_layers)
+
+
+class DeepseekV4Model(CausalLM):
     """Parameters (named as the checkpoint's keys) and the forward step.
 
     Weights in ``dtype`` except those V4 keeps in fp32 (norms, hyper-connections,
@@ -46,16 +160,9 @@ class DeepseekV4Model(ParamTree):
         plan: QuantPlan | None = None,
         sharding: ExpertSharding | None = None,
     ) -> None:
-        super().__init__(device)
-        self.config = config
-        self.kernels = kernels
-        self.dtype = dtype
-        self.sharding = sharding
-        self.plan = plan or QuantPlan()
-        c = config
+        super().__init__(config, kernels, dtype=dtype, device=device, plan=plan, sharding=sharding)
+        c, body = config, self.body
         n, d = c.hc_mult, c.hidden_size
-        body = self.child("model", ParamTree(device))
-        self.embed = body.param("embed_tokens.weight", (c.vocab_size, d), dtype)
         self.layers = [DecoderLayer(c, i, dtype, device, self.plan, sharding) for i in range(c.num_hidden_layers)]
         for i, layer in enumerate(self.layers):
             body.child(f"layers.{i}", layer)
@@ -63,62 +170,6 @@ class DeepseekV4Model(ParamTree):
         self.hc_fn = body.param("hc_head.hc_fn", (n, n * d), torch.float32)
         self.hc_base = body.param("hc_head.hc_base", (n,), torch.float32)
         self.hc_scale = body.param("hc_head.hc_scale", (1,), torch.float32)
-        self.head = self.embed if c.tie_word_embeddings else self.param("head.weight", (c.vocab_size, d), dtype)
-        self.rope_main = Rotary(c.rope_main, c.qk_rope_head_dim, c.max_position_embeddings, device)
-        self.rope_compress = Rotary(c.rope_compress, c.qk_rope_head_dim, c.max_position_embeddings, device)
-        #: checkpoint tensors kept aside by ``from_pretrained`` (the ``mtp.*`` draft layers)
-        self.extra_tensors: dict[str, torch.Tensor] = {}
-        #: per layer index asked for in ``forward(..., hidden_layers=...)``, its mean output stream ``[T, D]``
-        self.hidden_states: dict[int, torch.Tensor] = {}
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        model_dir: str | Path,
-        kernels: Kernels,
-        *,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
-        quantization: str = "auto",
-        sharding: ExpertSharding | None = None,
-    ) -> "DeepseekV4Model":
-        """Build from ``model_dir/config.json`` and load every checkpoint tensor.
-
-        ``quantization="auto"`` keeps every weight the checkpoint stores quantized
-        (codes with a block-scale companion) quantized; ``"dequantize"`` loads
-        every weight in ``dtype``.
-        """
-        from ..loader import load_weights, read_checkpoint, read_config
-
-        config = ModelConfig.from_hf(read_config(model_dir))
-        checkpoint = read_checkpoint(model_dir)
-        if quantization == "auto":
-            plan = QuantPlan.from_checkpoint(checkpoint.catalog, checkpoint.block)
-        elif quantization == "dequantize":
-            plan = QuantPlan()
-        else:
-            raise ConfigError(f"quantization {quantization!r} is not one of 'auto', 'dequantize'")
-        model = cls(config, kernels, dtype=dtype, device=device, plan=plan, sharding=sharding)
-        skip = model.foreign_expert if sharding is not None else None
-        model.extra_tensors = load_weights(model.named_parameters(), checkpoint, keep_prefixes=("mtp.",), skip=skip)
-        for layer in model.layers:
-            layer.ffn.fill_replicas()
-        return model
-
-    def foreign_expert(self, name: str) -> bool:
-        """True for a checkpoint tensor (model name) of a routed expert this rank does not hold."""
-        where = expert_of(name)
-        if where is None:
-            return False
-        layer, expert = where
-        return layer < len(self.layers) and expert not in self.layers[layer].ffn.slots
-
-    @torch.inference_mode()
-    def join_step(self) -> None:
-        """An idle rank's step under expert parallelism: every layer's dispatch and combine, no tokens."""
-        x = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        for layer in self.layers:
-            layer.ffn.join(self.kernels, x)
 
     def forward(self, inputs: ForwardInputs, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
         """Run one step: write every layer's state for the step's tokens into
@@ -146,9 +197,3 @@ class DeepseekV4Model(ParamTree):
         h = k.mhc_head(rows, self.hc_fn, self.hc_base, self.hc_scale, c.rms_norm_eps, c.hc_eps)
         h = k.rms_norm(h, self.norm, c.rms_norm_eps)
         return h @ self.head.t()
-
-    @torch.inference_mode()
-    def __call__(self, batch: Batch, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
-        """One eager step from a host ``Batch`` (its inputs built unpadded and copied to the device)."""
-        cache.begin_forward(batch)
-        return self.forward(step_inputs(batch, cache, self.device), cache, hidden_layers)

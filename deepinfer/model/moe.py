@@ -63,12 +63,19 @@ class MoE(ParamTree):
         self.scaling = c.routed_scaling_factor
         self.scoring = c.scoring_func
         self.limit = c.swiglu_limit
+        self.gate_temp = c.gate_temp
+        # transformers' V4 router always renormalises the chosen weights (norm_topk_prob is not read); V4.1's
+        # renormalises when norm_topk_prob is set and it picks more than one expert
+        self.renormalize = c.v41 is None or (c.norm_topk_prob and c.num_experts_per_tok > 1)
         self.bias: torch.Tensor | None = None
         self.tid2eid: torch.Tensor | None = None
         if hash_routed:
             self.tid2eid = self.param("gate.tid2eid", (c.vocab_size, c.num_experts_per_tok), torch.int64)
         else:
             self.bias = self.param("gate.bias", (e,), torch.float32)
+        if c.v41 is not None:
+            # V4.1's router bias for image tokens: loaded with the checkpoint, unused for text
+            self.bias_vl = self.param("gate.bias_vl", (e,), torch.float32)
         experts = plan.storage(EXPERTS)
         if experts.quantized and i % experts.block[0]:
             experts = PLAIN  # w1 and w3 would share a block of w13's rows: held plain
@@ -131,11 +138,12 @@ class MoE(ParamTree):
 
     def __call__(self, k: Kernels, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         logits, shared_gate, shared_up = self.proj_in(k, x)
-        # transformers' V4 router always renormalises the chosen weights (norm_topk_prob is not read)
+        if self.gate_temp != 1.0:
+            logits = logits / self.gate_temp
         if self.hash_routed:
-            weights, ids = k.hash_route(logits, input_ids, self.tid2eid, self.scaling, self.scoring, True)
+            weights, ids = k.hash_route(logits, input_ids, self.tid2eid, self.scaling, self.scoring, self.renormalize)
         else:
-            weights, ids = k.moe_route(logits, self.bias, self.top_k, self.scaling, self.scoring, True)
+            weights, ids = k.moe_route(logits, self.bias, self.top_k, self.scaling, self.scoring, self.renormalize)
         if self.sharding is not None:
             routed = self.sharding.routed(self.layer, x, ids, weights, lambda h, i, w: self._experts_out(h, i, w, k))
         else:

@@ -9,9 +9,9 @@ Where each op runs is decided at call time (see :meth:`AscendKernels.paths`):
   its ``npu_sparse_flash_attention``, so A2/A3 run their reference);
 - an op with a Triton-Ascend kernel runs it on NPU tensors (Triton-Ascend
   installed) or on CPU tensors under Triton's interpreter (``--interpret``);
-  on Ascend 950, ``indexer_scores``, ``mhc_pre`` and ``mhc_post`` run the SoC's
-  own fused op first where it takes the inputs, the Triton-Ascend kernel
-  otherwise (and after the fused op raised);
+  on Ascend 950, ``indexer_scores``, ``mhc_pre``, ``mhc_mix`` and ``mhc_post``
+  run the SoC's own fused op first where it takes the inputs, the Triton-Ascend
+  kernel otherwise (and after the fused op raised);
 - otherwise, and for every op named in ``DEEPINFER_ASCEND_DISABLE``, the
   reference runs (plain torch, on whatever device the tensors are on).
 
@@ -50,6 +50,11 @@ log = logging.getLogger("deepinfer.ascend")
 
 TRITON = "triton-ascend"
 
+#: the reference itself, for ops whose reference is composed of other ops (``mhc_pre`` is ``mhc_mix`` then
+#: ``mhc_collapse``, ``mhc_head`` ends in ``mhc_collapse``): through ``super()`` it would call this set's overrides
+#: of the parts, so a disabled or failed op would still run fused ops or kernels
+_REFERENCE = Kernels()
+
 
 class AscendKernels(Kernels):
     name = "ascend"
@@ -69,8 +74,12 @@ class AscendKernels(Kernels):
         "compress_kv": TRITON,
         "indexer_scores": f"{TRITON} (950: torch_npu:npu_lightning_indexer)",
         "mhc_pre": f"{TRITON} (950: torch_npu:npu_mhc_pre+npu_mhc_sinkhorn)",
+        "mhc_mix": f"{TRITON} (950: torch_npu:npu_mhc_pre+npu_mhc_sinkhorn)",
+        "mhc_collapse": TRITON,
         "mhc_post": f"{TRITON} (950: torch_npu:npu_mhc_post)",
         "mhc_head": TRITON,
+        "candidate_blocks": TRITON,
+        "engram_inject": TRITON,
     }
 
     def __init__(self, strict: bool = False, torch_npu: Any = None) -> None:
@@ -346,7 +355,7 @@ class AscendKernels(Kernels):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gates, Sinkhorn and collapse per token: ``npu_mhc_pre`` + ``npu_mhc_sinkhorn`` on Ascend 950 where they
         take the inputs (see ``npu_v4_ops.mhc_pre``), else the Triton-Ascend kernel (``triton_ascend_mhc``)."""
-        reference = lambda: super(AscendKernels, self).mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)  # noqa: E731
+        reference = lambda: _REFERENCE.mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)  # noqa: E731
         if x.shape[0] == 0:
             return reference()
 
@@ -364,6 +373,52 @@ class AscendKernels(Kernels):
         return self._fused(
             "mhc_pre", (x, fn), lambda tn: npu_v4_ops.mhc_pre(tn, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters), triton
         )
+
+    def mhc_mix(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``mhc_pre`` without the collapse (V4.1): ``npu_mhc_pre`` (``out_flag=1``, its ``h_pre``) + ``npu_mhc_sinkhorn``
+        on Ascend 950 where they take the inputs (see ``npu_v4_ops.mhc_mix``), else ``mhc_pre``'s Triton-Ascend
+        kernel storing ``pre`` (``triton_ascend_mhc``)."""
+        reference = lambda: super(AscendKernels, self).mhc_mix(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)  # noqa: E731
+        if x.shape[0] == 0:
+            return reference()
+
+        def kernel() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            from .triton_ascend_mhc import mhc_mix
+
+            return mhc_mix(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+        triton = lambda: self._triton("mhc_mix", (x, fn), kernel, reference)  # noqa: E731
+        from . import npu_v4_ops
+
+        tn = self._fused_module((x, fn))
+        if tn is None or npu_v4_ops.mhc_pre_fits(tn, x, fn, base, scale, sinkhorn_iters) is not None:
+            return triton()
+        return self._fused(
+            "mhc_mix", (x, fn), lambda tn: npu_v4_ops.mhc_mix(tn, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters), triton
+        )
+
+    def mhc_collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """``Σ_j pre_j · x_j`` per token: the Triton-Ascend kernel per (token, channel-block) tile (``triton_ascend_mhc``);
+        no torch_npu op collapses with given weights (``npu_mhc_pre`` computes its own)."""
+        reference = lambda: super(AscendKernels, self).mhc_collapse(x, pre)  # noqa: E731
+        if x.shape[0] == 0:
+            return reference()
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_mhc import mhc_collapse
+
+            return mhc_collapse(x, pre)
+
+        return self._triton("mhc_collapse", (x, pre), kernel, reference)
 
     def mhc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """``post · y + combᵀ x`` per token: ``npu_mhc_post`` on Ascend 950 where it takes the inputs (see
@@ -395,7 +450,7 @@ class AscendKernels(Kernels):
         hc_eps: float,
     ) -> torch.Tensor:
         """The final collapse, the pre-gate half of ``mhc_pre``'s kernel (see ``triton_ascend_mhc``)."""
-        reference = lambda: super(AscendKernels, self).mhc_head(x, fn, base, scale, norm_eps, hc_eps)  # noqa: E731
+        reference = lambda: _REFERENCE.mhc_head(x, fn, base, scale, norm_eps, hc_eps)  # noqa: E731
         if x.shape[0] == 0:
             return reference()
 
@@ -405,3 +460,33 @@ class AscendKernels(Kernels):
             return mhc_head(x, fn, base, scale, norm_eps, hc_eps)
 
         return self._triton("mhc_head", (x, fn), kernel, reference)
+
+    def candidate_blocks(self, scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
+        """V4.1's candidate blocks: block maxima, then selection by rank (bisection over order-preserving int32 keys,
+        no sort, no host sync), as two Triton-Ascend kernels (``triton_ascend_indexer``)."""
+        reference = lambda: super(AscendKernels, self).candidate_blocks(scores, visible, topk_blocks, block_size)  # noqa: E731
+        if topk_blocks < 1 or block_size < 1 or scores.shape[0] == 0 or scores.shape[1] == 0:
+            return reference()  # the reference's ValueError, or its empty mask
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_indexer import candidate_blocks
+
+            return candidate_blocks(scores, visible, topk_blocks, block_size)
+
+        return self._triton("candidate_blocks", (scores, visible), kernel, reference)
+
+    def engram_inject(
+        self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """The gated Engram value added to each stream, two passes over each (token, stream) row in channel blocks
+        (``triton_ascend_engram``): it fits the unified buffer at any width, V4.1's 5120 included."""
+        reference = lambda: super(AscendKernels, self).engram_inject(streams, key, value, weight, eps)  # noqa: E731
+        if streams.shape[0] == 0:
+            return reference()
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_engram import engram_inject
+
+            return engram_inject(streams, key, value, weight, eps)
+
+        return self._triton("engram_inject", (streams, key, value, weight), kernel, reference)

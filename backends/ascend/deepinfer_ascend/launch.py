@@ -283,14 +283,57 @@ def v4_flash_plans(generation: str, dtype: torch.dtype = torch.bfloat16, shapes:
     ]
 
 
-def footprint_table(dtype: torch.dtype = torch.bfloat16) -> str:
-    """A markdown table of each V4-Flash launch's UB footprint and blocks, one column per UB budget (for the docs)."""
+@dataclass(frozen=True)
+class V41Shapes:
+    """The DeepSeek-V4.1-Flash figures that size the tiles of the launches V4.1 adds (its text_config): the mixes
+    and collapse it calls apart, mhc_post at its width, the candidate blocks and the Engram injection."""
+
+    hidden: int = 5120
+    hc_mult: int = 4
+    candidate_block_size: int = 8
+    #: compressed entries a decode token sees at the candidate source (ratio 1): 8192 blocks of 8
+    context: int = 65536
+
+
+V41_FLASH = V41Shapes()
+
+
+def v41_flash_plans(generation: str, dtype: torch.dtype = torch.bfloat16, shapes: V41Shapes = V41_FLASH) -> list[TilePlan]:
+    """Every Triton-Ascend launch V4.1-Flash adds to V4's, planned for ``generation``'s UB (imports the kernels).
+
+    Streams in ``dtype``; indexer scores (the candidate blocks' input), ``pre`` and the Engram gate weight
+    (``q_weight · k_weight``) in fp32, as the model has them.
+    """
+    from .triton_ascend_engram import plan_engram_inject
+    from .triton_ascend_indexer import plan_candidate_keys, plan_candidate_select
+    from .triton_ascend_mhc import plan_mhc_collapse, plan_mhc_post, plan_mhc_pre
+
+    ub = UNIFIED_BUFFERS[generation]
+    s = shapes
+    blocks = -(-s.context // s.candidate_block_size)
+    return [
+        plan_mhc_pre(s.hc_mult, s.hidden, dtype, ub, collapse=False),
+        plan_mhc_collapse(s.hc_mult, s.hidden, dtype, ub),
+        plan_mhc_post(s.hc_mult, s.hidden, dtype, ub),
+        plan_candidate_keys(blocks, s.candidate_block_size, torch.float32, ub),
+        plan_candidate_select(blocks, s.candidate_block_size, ub),
+        plan_engram_inject(s.hc_mult, s.hidden, dtype, torch.float32, ub),
+    ]
+
+
+def footprint_table(
+    dtype: torch.dtype = torch.bfloat16,
+    plans: Callable[[str, torch.dtype], list[TilePlan]] = v4_flash_plans,
+    model: str = "V4-Flash",
+) -> str:
+    """A markdown table of each launch's UB footprint and blocks, one column per UB budget (for the docs):
+    V4-Flash's by default, V4.1's additions with ``plans=v41_flash_plans, model="V4.1-Flash"``."""
     by_budget: dict[int, list[str]] = {}
     for gen, ub in UNIFIED_BUFFERS.items():
         by_budget.setdefault(ub.budget_bytes, []).append(gen)
-    columns = [(gens, v4_flash_plans(gens[0], dtype)) for gens in by_budget.values()]
+    columns = [(gens, plans(gens[0], dtype)) for gens in by_budget.values()]
     head = " | ".join(f"{' / '.join(gens)} ({UNIFIED_BUFFERS[gens[0]].budget_bytes // KiB} KiB)" for gens, _ in columns)
-    rows = [f"| kernel (V4-Flash shape) | {head} |", "|---|" + "---|" * len(columns)]
+    rows = [f"| kernel ({model} shape) | {head} |", "|---|" + "---|" * len(columns)]
     for i, plan in enumerate(columns[0][1]):
         cells = []
         for _, plans in columns:

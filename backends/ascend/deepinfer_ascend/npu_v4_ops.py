@@ -328,13 +328,56 @@ def mhc_pre(
     ``test/test_custom_ops/test_npu_mhc_pre.py``, ``test_npu_mhc_sinkhorn.py``.
     """
     _need(mhc_pre_fits(tn, x, fn, base, scale, sinkhorn_iters))
+    h_in, _, post, comb = _mhc_pre_sinkhorn(tn, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, with_pre=False)
+    return h_in, post, comb
+
+
+def _mhc_pre_sinkhorn(
+    tn: ModuleType, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    norm_eps: float, hc_eps: float, sinkhorn_iters: int, with_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(h_in, h_pre, post, comb)`` from ``npu_mhc_pre`` then ``npu_mhc_sinkhorn``; ``h_pre`` (``out_flag=1``)
+    only ``with_pre``, else None."""
     t, n = x.shape[0], x.shape[1]
-    h_in, h_post, h_res = tn.npu_mhc_pre(
+    out = tn.npu_mhc_pre(
         x.contiguous(), fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous(),
-        norm_eps=float(norm_eps), hc_eps=float(hc_eps), out_flag=0,
-    )[:3]
+        norm_eps=float(norm_eps), hc_eps=float(hc_eps), out_flag=1 if with_pre else 0,
+    )
+    h_in, h_post, h_res = out[:3]
     comb = tn.npu_mhc_sinkhorn(h_res.float().contiguous(), eps=float(hc_eps), num_iters=int(sinkhorn_iters), out_flag=0)[0]
-    return h_in, h_post.float().reshape(t, n), comb.float().reshape(t, n, n)
+    pre = out[5].float().reshape(t, n) if with_pre else None
+    return h_in, pre, h_post.float().reshape(t, n), comb.float().reshape(t, n, n)
+
+
+def mhc_mix(
+    tn: ModuleType,
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Kernels.mhc_mix`` through the same two ops as :func:`mhc_pre`, ``npu_mhc_pre`` with ``out_flag=1``.
+
+    With ``out_flag=1`` the op also returns ``inv_rms``, ``h_mix`` and ``h_pre``
+    (its sixth output): "做完sigmoid计算之后的h_pre矩阵", ``[T, n]`` fp32, which its
+    formula and golden give as ``sigmoid(α_pre · u_pre + b_pre) + hc_eps``, V4.1's
+    ``pre`` exactly. ``post`` and ``comb`` are :func:`mhc_pre`'s. The gap: the op
+    always writes the collapse ``h_in`` too (``[T, D]``, unused here: V4.1
+    collapses with the previous site's ``pre``), the price of one fused launch
+    for the mix; the inputs it takes are :func:`mhc_pre_fits`'s.
+
+    Sources: op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_mhc_pre.md``
+    (``out_flag``: "为1表示全输出"; the outputs' order, ``h_pre`` last) and
+    ``test/test_custom_ops/test_npu_mhc_pre.py`` (its golden returns
+    ``h_pre = sigmoid(·) + hc_eps``).
+    """
+    _need(mhc_pre_fits(tn, x, fn, base, scale, sinkhorn_iters))
+    _, pre, post, comb = _mhc_pre_sinkhorn(tn, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, with_pre=True)
+    assert pre is not None
+    return pre, post, comb
 
 
 def mhc_post_fits(tn: ModuleType, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> str | None:

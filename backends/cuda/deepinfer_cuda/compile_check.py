@@ -5,9 +5,10 @@ bundled ``ptxas``), so a CPU-only CI machine can catch what only a GPU launch
 would reveal: compile errors, shared memory over what one block may use,
 registers that cannot fit, and spills to local memory.
 
-Each kernel is compiled as the launchers launch it at DeepSeek-V4-Flash sizes:
-the block sizes come from the launchers' own ``*_tiles`` functions and
-autotune config lists (what survives their early pruning at those sizes), the
+Each kernel is compiled as the launchers launch it at DeepSeek-V4-Flash sizes
+(V4.1-Flash's for the kernels only V4.1 launches): the block sizes come from
+the launchers' own ``*_tiles`` functions and autotune config lists (what
+survives their early pruning at those sizes), the
 arguments are specialised by Triton's own launch binder, so aligned pointers
 and strides carry the ``tt.divisibility=16`` hints and size-1 integers become
 constants, exactly as on a GPU. One ``Record`` comes back per (kernel, config,
@@ -55,8 +56,8 @@ from triton.runtime.jit import JITFunction, MockTensor, create_function_from_sig
 
 from . import __path__ as _package_path
 from . import (
-    triton_attention, triton_bitmask, triton_cache, triton_compressor, triton_experts, triton_fp8, triton_indexer,
-    triton_mhc, triton_moe, triton_norm, triton_rope, triton_sampling,
+    triton_attention, triton_bitmask, triton_cache, triton_candidates, triton_compressor, triton_engram, triton_experts,
+    triton_fp8, triton_indexer, triton_mhc, triton_moe, triton_norm, triton_rope, triton_sampling,
 )
 from .launch import SHARED_MEMORY_PER_BLOCK, Tiles, interpreting
 from .triton_common import PROGRAMS_PER_SM, accumulator, dot_operands
@@ -101,9 +102,38 @@ FP8_MMA = {90: r"wgmma\.mma_async\S*\.e4m3\.e4m3", 100: r"tcgen05\.mma\S*kind::f
 
 
 @dataclass(frozen=True)
+class V41Shapes:
+    """DeepSeek-V4.1-Flash's sizes for the kernels only V4.1 launches (its ``text_config``, as
+    ``tests/helpers/published.py`` records it): the hyper-connection mixes and collapse it calls apart, and
+    the candidate blocks of its two-level top-k, and its Engram ops (``engram_*`` of ``text_config``)."""
+
+    hidden: int = 5120
+    hc_mult: int = 4
+    sinkhorn_iters: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    #: compress ratio of the candidate source layer (layer 20: one compressed entry per token)
+    candidate_ratio: int = 1
+    decode_tokens: int = 16
+    prefill_tokens: int = 4096
+    #: context a decode token sees: 65536 compressed entries at the candidate source, 8192 blocks
+    context: int = 65536
+    #: Engram: 2- to 4-grams, 8 heads of 256 channels (24 table columns per token), rows of layer 1's table
+    engram_ngram: int = 4
+    engram_heads: int = 8
+    engram_head_dim: int = 256
+    engram_rows: int = 384_006_168
+
+    @property
+    def engram_columns(self) -> int:
+        return (self.engram_ngram - 1) * self.engram_heads
+
+
+@dataclass(frozen=True)
 class Shapes:
     """Model sizes the kernels are compiled at: DeepSeek-V4-Flash's ``config.json`` (as ``tests/helpers/published.py``
-    records it; written out here because a backend must not import the engine's ``ModelConfig``)."""
+    records it; written out here because a backend must not import the engine's ``ModelConfig``), and V4.1-Flash's
+    for the kernels only V4.1 launches."""
 
     hidden: int = 4096
     heads: int = 64
@@ -132,6 +162,8 @@ class Shapes:
     prefill_tokens: int = 4096
     #: context a decode token sees (for pool sizes and the indexer's candidates)
     context: int = 65536
+    #: the kernels only DeepSeek V4.1 launches, at V4.1-Flash's sizes
+    v41: V41Shapes = V41Shapes()
 
 
 V4_FLASH = Shapes()
@@ -378,15 +410,92 @@ def _mhc(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> lis
         mix = dict(x_ptr=ptr(dtype), fn_ptr=f32, part_ptr=f32, sq_ptr=f32, T=tokens, KD=n * d, NU=nu, SLICE=slice_len,
                    stride_x=n * d, stride_f=n * d, PREC=triton_mhc.mix_precision(dtype))
         out += launch_cases("mhc.mix", triton_mhc._mix_kernel, dt, mix, triton_mhc.mix_tiles(n, head), what)
-        side = ptr(dtype) if head else f32
-        finish = dict(x_ptr=ptr(dtype), part_ptr=f32, sq_ptr=f32, base_ptr=f32, scale_ptr=f32, out_ptr=ptr(dtype),
-                      post_ptr=side, comb_ptr=side, T=tokens, NS=n, D=d, S=splits, ITERS=s.sinkhorn_iters, norm_eps=1e-6,
-                      hc_eps=1e-6, stride_xt=n * d, stride_xn=d, stride_ot=d, HEAD=head)
-        out += launch_cases("mhc.finish", triton_mhc._finish_kernel, dt, finish, triton_mhc.finish_tiles(n, d, head), what)
+        out += _mhc_finish(dtype, dt, tokens, n, d, splits, s.sinkhorn_iters, head, True, what)
     if phase == "prefill":
         post = dict(y_ptr=ptr(dtype), x_ptr=ptr(dtype), post_ptr=f32, comb_ptr=f32, out_ptr=ptr(dtype), NS=n, D=d, stride_yt=d,
                     stride_xt=n * d, stride_xn=d, stride_pt=n, stride_ct=n * n, stride_cj=n, stride_ot=n * d, stride_on=d)
         out += launch_cases("mhc.post", triton_mhc._post_kernel, dt, post, triton_mhc.post_tiles(n, d))
+    return out
+
+
+def _mhc_finish(dtype: torch.dtype, dt: str, tokens: int, n: int, d: int, splits: int, iters: int, head: bool, collapse: bool,
+                what: str) -> list[Case]:
+    """The finishing kernel as ``triton_mhc._mix_and_finish`` launches it (outputs it does not write: the fp32 partials)."""
+    f32 = ptr(torch.float32)
+    args = dict(x_ptr=ptr(dtype), part_ptr=f32, sq_ptr=f32, base_ptr=f32, scale_ptr=f32, out_ptr=ptr(dtype) if collapse else f32,
+                pre_ptr=f32, post_ptr=f32, comb_ptr=f32, T=tokens, NS=n, D=d, S=splits, ITERS=iters, norm_eps=1e-6, hc_eps=1e-6,
+                stride_xt=n * d, stride_xn=d, stride_ot=d if collapse else triton_mhc.mix_tiles(n, head).blocks["BLOCK_U"],
+                HEAD=head, COLLAPSE=collapse)
+    name = "mhc.finish" if collapse else "mhc_mix.finish"
+    return launch_cases(name, triton_mhc._finish_kernel, dt, args, triton_mhc.finish_tiles(n, d, head, collapse), what)
+
+
+def _mhc_v41(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
+    """V4.1's ``mhc_mix`` (the mixing kernel, then the finishing kernel without the collapse) and ``mhc_collapse``."""
+    v = s.v41
+    n, d = v.hc_mult, v.hidden
+    tokens = v.decode_tokens if phase == "decode" else v.prefill_tokens
+    f32 = ptr(torch.float32)
+    splits, slice_len = triton_mhc.mix_slices(tokens, n, d, PROGRAMS_PER_SM * LIMITS[target].multiprocessors)
+    what = f"V4.1, {phase}, {splits} slices"
+    nu = (2 + n) * n
+    mix = dict(x_ptr=ptr(dtype), fn_ptr=f32, part_ptr=f32, sq_ptr=f32, T=tokens, KD=n * d, NU=nu, SLICE=slice_len,
+               stride_x=n * d, stride_f=n * d, PREC=triton_mhc.mix_precision(dtype))
+    out = launch_cases("mhc_mix.mix", triton_mhc._mix_kernel, dt, mix, triton_mhc.mix_tiles(n, False), what)
+    out += _mhc_finish(dtype, dt, tokens, n, d, splits, v.sinkhorn_iters, False, False, what)
+    collapse = dict(x_ptr=ptr(dtype), pre_ptr=f32, out_ptr=ptr(dtype), T=tokens, NS=n, D=d, stride_xt=n * d, stride_xn=d,
+                    stride_pt=n, stride_ot=d)
+    out += launch_cases("mhc_collapse", triton_mhc._collapse_kernel, dt, collapse, triton_mhc.collapse_tiles(n, d),
+                        f"V4.1, {phase}")
+    return out
+
+
+def _candidates(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
+    """V4.1's candidate blocks at the candidate source layer: block maxima, then the per-row selection."""
+    v = s.v41
+    tokens = v.decode_tokens if phase == "decode" else v.prefill_tokens
+    n, bs = v.context // v.candidate_ratio, v.candidate_block_size
+    blocks = triton.cdiv(n, bs)
+    i32 = ptr(torch.int32)
+    what = f"V4.1, {phase}, {n} entries, top {v.candidate_topk_blocks} of {blocks} blocks"
+    first = dict(scores_ptr=ptr(dtype), visible_ptr=ptr(torch.int64), key_ptr=i32, N=n, NB=blocks, BS=bs, stride_s=n,
+                 stride_k=blocks)
+    out = launch_cases("candidate_blocks.block_max", triton_candidates._block_max_kernel, dt, first,
+                       triton_candidates.block_max_tiles(bs), what)
+    select = dict(key_ptr=i32, out_ptr=ptr(torch.uint8), T=tokens, N=n, NB=blocks, BS=bs, K=v.candidate_topk_blocks, stride_k=blocks,
+                  stride_o=n)
+    out += launch_cases("candidate_blocks.select", triton_candidates._select_kernel, dt, select,
+                        triton_candidates.select_tiles(blocks, bs), what)
+    return out
+
+
+def _engram(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
+    """V4.1's Engram kernels at a prefill step (their tiles do not depend on the token count): the hash of
+    ``[T, 4]`` windows, the lookup of 24 columns of 256 channels from an FP8 table and from a plain one, and the
+    injection into 4 streams of 5120 with the key and value as views of the one ``wkv`` output."""
+    v = s.v41
+    tokens, n, d = v.prefill_tokens, v.hc_mult, v.hidden
+    cols, hd, i64 = v.engram_columns, v.engram_head_dim, ptr(torch.int64)
+    hashed = dict(tok_ptr=i64, mult_ptr=i64, prime_ptr=i64, off_ptr=i64, out_ptr=i64, T=tokens, N=v.engram_ngram,
+                  H=v.engram_heads, stride_tt=v.engram_ngram, stride_ts=1, stride_p=v.engram_heads, stride_o=cols)
+    out = launch_cases("engram_hash", triton_engram._hash_kernel, dt, hashed, triton_engram.hash_tiles(v.engram_heads),
+                       f"V4.1, {v.engram_ngram}-grams x {v.engram_heads} heads")
+    lookup_out = ptr(torch.int16 if dtype == torch.bfloat16 else dtype)
+    for fmt, what in ((triton_engram.E4M3_TABLE, "e4m3 table, ue8m0 scales"), (triton_engram.PLAIN_TABLE, f"{dt} table")):
+        fp8 = fmt == triton_engram.E4M3_TABLE
+        scale_cols = hd // 32 if fp8 else hd
+        lookup = dict(ids_ptr=i64, codes_ptr=ptr(torch.uint8 if fp8 else dtype), scales_ptr=ptr(torch.uint8 if fp8 else dtype),
+                      out_ptr=lookup_out, R=tokens * cols, C=cols, J=hd, ROWS=v.engram_rows, stride_it=cols, stride_ic=1,
+                      stride_cr=hd, stride_cj=1, stride_sr=scale_cols, stride_sj=1, stride_o=hd, FMT=fmt,
+                      BF16_BITS=dtype == torch.bfloat16)
+        out += launch_cases("engram_lookup", triton_engram._lookup_kernel, dt, lookup, triton_engram.lookup_tiles(hd),
+                            f"V4.1, {cols} columns x {hd}, {what}")
+    kv = (n + 1) * d
+    inject = dict(h_ptr=ptr(dtype), q_ptr=ptr(dtype), v_ptr=ptr(dtype), w_ptr=ptr(torch.float32), out_ptr=ptr(dtype), NS=n, D=d,
+                  eps=1e-20, inv_sqrt_d=d**-0.5, stride_ht=n * d, stride_hn=d, stride_qt=kv, stride_qn=d, stride_vt=kv,
+                  stride_wn=d, stride_ot=n * d, stride_on=d)
+    out += launch_cases("engram_inject", triton_engram._inject_kernel, dt, inject, triton_engram.inject_tiles(n, d),
+                        f"V4.1, {n} streams x {d}")
     return out
 
 
@@ -498,12 +607,12 @@ def _fp8(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> lis
 
 #: the case builders, one per kernel family
 BUILDERS: tuple[Callable[[Shapes, torch.dtype, str, str, int], list[Case]], ...] = (
-    _norm, _rope, _sampling, _cache, _attention, _compressor, _mhc, _moe, _experts, _fp8,
+    _norm, _rope, _sampling, _cache, _attention, _compressor, _mhc, _mhc_v41, _candidates, _engram, _moe, _experts, _fp8,
 )
 
 
 def _phase_independent(builder: Callable) -> bool:
-    return builder in (_norm, _rope, _sampling, _cache, _compressor, _moe)
+    return builder in (_norm, _rope, _sampling, _cache, _compressor, _engram, _moe)
 
 
 def enumerate_cases(target: int, shapes: Shapes = V4_FLASH, dtypes: Sequence[str] = tuple(DTYPES)) -> list[Case]:

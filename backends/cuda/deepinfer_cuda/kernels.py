@@ -8,6 +8,8 @@ reference, which computes nothing for them). Dtypes the kernels do not handle
 outside ``launch.MODEL_DTYPES`` or with operands of mixed dtypes) run the
 reference, and so do quantized weights the kernels cannot read (see
 ``_readable``). ``topk_select`` stays the reference: it is one torch sort.
+``engram_lookup`` runs its kernel only when the table lives on the ids'
+device; a memory-mapped host table is gathered on the host by the reference.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 import torch
 
 from deepinfer_interfaces import Kernels, QuantizedWeight
+from deepinfer_interfaces.kernels.engram import ENGRAM_SCALE_BLOCK
 from deepinfer_interfaces.kernels.moe import SCORING_FUNCS
 
-from .launch import KERNEL_DTYPES, MODEL_DTYPES, check_device
+from .launch import KERNEL_DTYPES, MODEL_DTYPES, check_device, interpreting
 
 
 def _model_dtypes(*tensors: torch.Tensor) -> bool:
@@ -38,6 +41,20 @@ def _readable(weight: QuantizedWeight, dims: int) -> bool:
         and bk >= 1
         and tuple(weight.scales.shape) == (*lead, -(-n // bn), -(-k // bk))
     )
+
+
+def _table_beside(ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """True when an Engram table lives on ``ids``' device and Triton runs there (the GPU, or the CPU under the
+    interpreter); a memory-mapped host table with ids on the GPU is gathered on the host by the reference."""
+    here = "cpu" if interpreting() else "cuda"
+    return ids.device.type == here and codes.device == ids.device and (scales is None or scales.device == ids.device)
+
+
+def _readable_table(codes: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """True for the Engram tables the lookup kernel decodes: e4m3 codes with UE8M0 bytes, or a model-dtype table."""
+    if scales is None:
+        return codes.dtype in MODEL_DTYPES
+    return codes.dtype in (torch.uint8, torch.float8_e4m3fn) and scales.dtype in (torch.uint8, torch.float8_e8m0fnu)
 
 
 class CUDAKernels(Kernels):
@@ -124,6 +141,15 @@ class CUDAKernels(Kernels):
 
         return indexer_scores(q, weights, keys, indices, scale)
 
+    def candidate_blocks(self, scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
+        """Block maxima, then the top blocks by bisection on their keys, without a host sync (see ``Kernels.candidate_blocks``)."""
+        if scores.numel() == 0 or scores.dtype not in MODEL_DTYPES or topk_blocks < 1 or block_size < 1:
+            return super().candidate_blocks(scores, visible, topk_blocks, block_size)
+        check_device("candidate_blocks", scores, visible)
+        from .triton_candidates import candidate_blocks
+
+        return candidate_blocks(scores, visible, topk_blocks, block_size)
+
     def compress_kv(
         self,
         kv: torch.Tensor,
@@ -158,6 +184,33 @@ class CUDAKernels(Kernels):
 
         return mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
 
+    def mhc_mix(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``mhc_pre``'s two kernels with the collapse left out, ``pre`` stored instead (see ``Kernels.mhc_mix``)."""
+        if x.shape[0] == 0 or x.dtype not in MODEL_DTYPES:
+            return super().mhc_mix(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        check_device("mhc_mix", x, fn, base, scale)
+        from .triton_mhc import mhc_mix
+
+        return mhc_mix(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+    def mhc_collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of the streams, ``mhc_pre``'s collapse with ``pre`` given (see ``Kernels.mhc_collapse``)."""
+        if x.shape[0] == 0 or x.dtype not in MODEL_DTYPES or pre.dtype not in MODEL_DTYPES:
+            return super().mhc_collapse(x, pre)
+        check_device("mhc_collapse", x, pre)
+        from .triton_mhc import mhc_collapse
+
+        return mhc_collapse(x, pre)
+
     def mhc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """Stream expansion and residual mixing in one pass (see ``Kernels.mhc_post``)."""
         if x.shape[0] == 0 or x.dtype not in MODEL_DTYPES:
@@ -177,6 +230,49 @@ class CUDAKernels(Kernels):
         from .triton_mhc import mhc_head
 
         return mhc_head(x, fn, base, scale, norm_eps, hc_eps)
+
+    def engram_hash(
+        self, tokens: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """Wrapping int64 products, running XOR and floored per-head modulo in one kernel (see ``Kernels.engram_hash``)."""
+        if tokens.dim() != 2 or tokens.shape[0] == 0 or tokens.shape[1] < 2 or tokens.dtype not in (torch.int64, torch.int32):
+            return super().engram_hash(tokens, multipliers, primes, offsets)
+        check_device("engram_hash", tokens, multipliers, primes, offsets)
+        from .triton_engram import engram_hash
+
+        return engram_hash(tokens, multipliers, primes, offsets)
+
+    def engram_lookup(
+        self, codes: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Gather and dequantize table rows in one kernel when the table is on the ids' device; the reference's
+        host gather otherwise (see ``Kernels.engram_lookup``)."""
+        if (
+            ids.dim() != 2
+            or ids.numel() == 0
+            or codes.dim() != 2
+            or dtype not in MODEL_DTYPES
+            or ids.dtype != torch.int64
+            or not _readable_table(codes, scales)
+            or (scales is not None and (scales.dim() != 2 or scales.shape[-1] * ENGRAM_SCALE_BLOCK != codes.shape[-1]))
+            or not _table_beside(ids, codes, scales)
+        ):
+            return super().engram_lookup(codes, scales, ids, dtype)
+        from .triton_engram import engram_lookup
+
+        return engram_lookup(codes, scales, ids, dtype)
+
+    def engram_inject(
+        self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """RMS statistics, the signed-sqrt sigmoid gate and the residual add, one program per (token, stream)
+        (see ``Kernels.engram_inject``)."""
+        if streams.dim() != 3 or streams.shape[0] == 0 or any(x.dtype not in MODEL_DTYPES for x in (streams, key, value, weight)):
+            return super().engram_inject(streams, key, value, weight, eps)
+        check_device("engram_inject", streams, key, value, weight)
+        from .triton_engram import engram_inject
+
+        return engram_inject(streams, key, value, weight, eps)
 
     def moe_route(
         self,

@@ -15,16 +15,24 @@
    softmax and Sinkhorn iterations on each token's ``n × n`` matrix in
    registers, and stores both.
 
+``mhc_mix`` (V4.1, whose sites collapse with the previous site's ``pre``) is
+the same two kernels with ``COLLAPSE`` off: one channel block that stores
+``pre`` beside ``post`` and ``comb``. ``mhc_collapse`` is ``_collapse_kernel``,
+the finishing kernel's collapse (``_collapse_tile``) with ``pre`` loaded
+instead of computed.
+
 ``mhc_post`` is one elementwise-and-small-matmul kernel over ``[T, n, D]``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from .launch import Tiles, choose, interpreting, next_power_of_2, num_warps_for
+from .launch import Tiles, choose, interpreting, next_power_of_2, num_warps_for, unit_inner
 from .triton_common import split_count, target_programs
 
 
@@ -69,10 +77,24 @@ def _mix_logits(part_ptr, rows, r_ok, cols, col_ok, T, S, BLOCK_U: tl.constexpr)
 
 
 @triton.jit
+def _collapse_tile(x_ptr, out_ptr, pre, rows, r_ok, j, j_ok, d, D, stride_xt, stride_xn, stride_ot):
+    """``out[rows, d] = Σ_j pre[rows, j] · x[rows, j, d]`` in fp32, stored in ``out``'s dtype (``pre`` is 0 at padding streams)."""
+    d_ok = d < D
+    x = tl.load(
+        x_ptr + rows[:, None, None].to(tl.int64) * stride_xt + j[None, :, None] * stride_xn + d[None, None, :],
+        mask=r_ok[:, None, None] & j_ok[None, :, None] & d_ok[None, None, :], other=0.0,
+    ).to(tl.float32)
+    out = tl.sum(pre[:, :, None] * x, axis=1)
+    o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
 def _finish_kernel(
-    x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr,
+    x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, out_ptr, pre_ptr, post_ptr, comb_ptr,
     T, NS, D, S, ITERS, norm_eps, hc_eps, stride_xt, stride_xn, stride_ot,
-    HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr,
+    HEAD: tl.constexpr, COLLAPSE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
     tb = tl.program_id(0)
     db = tl.program_id(1)
@@ -97,6 +119,8 @@ def _finish_kernel(
             u_post = _mix_logits(part_ptr, r2, ok2, NS + j[None, :], j_ok[None, :], T, S, BLOCK_U) * inv[:, None]
             post = 2.0 * tl.sigmoid(u_post * s1 + tl.load(base_ptr + NS + j, mask=j_ok, other=0.0)[None, :])
             tl.store(post_ptr + r2.to(tl.int64) * NS + j[None, :], post, mask=ok2 & j_ok[None, :])
+            if not COLLAPSE:
+                tl.store(pre_ptr + r2.to(tl.int64) * NS + j[None, :], pre, mask=ok2 & j_ok[None, :])
             # comb[t, j, k] from column 2n + j·n + k
             r3 = rows[:, None, None]
             ok3 = r_ok[:, None, None]
@@ -114,15 +138,25 @@ def _finish_kernel(
                 comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
                 comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
             tl.store(comb_ptr + r3.to(tl.int64) * (NS * NS) + cell, comb, mask=ok3 & cell_ok)
-    d = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    x = tl.load(
-        x_ptr + rows[:, None, None].to(tl.int64) * stride_xt + j[None, :, None] * stride_xn + d[None, None, :],
-        mask=r_ok[:, None, None] & j_ok[None, :, None] & d_ok[None, None, :], other=0.0,
+    if COLLAPSE:
+        d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+        _collapse_tile(x_ptr, out_ptr, pre, rows, r_ok, j, j_ok, d, D, stride_xt, stride_xn, stride_ot)
+
+
+@triton.jit
+def _collapse_kernel(
+    x_ptr, pre_ptr, out_ptr, T, NS, D, stride_xt, stride_xn, stride_pt, stride_ot,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_ok = rows < T
+    j = tl.arange(0, BLOCK_S)
+    j_ok = j < NS
+    pre = tl.load(
+        pre_ptr + rows[:, None].to(tl.int64) * stride_pt + j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0.0
     ).to(tl.float32)
-    out = tl.sum(pre[:, :, None] * x, axis=1)
-    o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    _collapse_tile(x_ptr, out_ptr, pre, rows, r_ok, j, j_ok, d, D, stride_xt, stride_xn, stride_ot)
 
 
 @triton.jit
@@ -181,13 +215,21 @@ def mix_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 or interpreting() else "tf32"
 
 
-def finish_tiles(n: int, dim: int, head: bool) -> Tiles:
-    """The mixing kernel's token tile and columns, all ``n`` streams, and channels for about 4096 values a program."""
-    mix = mix_tiles(n, head).blocks
-    block_t, block_s = mix["BLOCK_T"], next_power_of_2(n)
+def collapse_tiles(n: int, dim: int) -> Tiles:
+    """The mixing kernel's token tile, all ``n`` streams, and channels for about 4096 values of ``x`` a program."""
+    block_t, block_s = mix_tiles(n, True).blocks["BLOCK_T"], next_power_of_2(n)
     block_d = min(next_power_of_2(dim), choose(max(64, 4096 // (block_t * block_s)), 32))
-    return Tiles({"BLOCK_T": block_t, "BLOCK_S": block_s, "BLOCK_D": block_d, "BLOCK_U": mix["BLOCK_U"]},
-                 num_warps=num_warps_for(block_t * block_s * block_d))
+    return Tiles({"BLOCK_T": block_t, "BLOCK_S": block_s, "BLOCK_D": block_d}, num_warps=num_warps_for(block_t * block_s * block_d))
+
+
+def finish_tiles(n: int, dim: int, head: bool, collapse: bool = True) -> Tiles:
+    """``collapse_tiles`` plus the mixing kernel's columns; without the collapse (``mhc_mix``) one channel
+    block of one channel (unused) and warps for the ``n × n`` Sinkhorn matrices."""
+    tiles = collapse_tiles(n, dim)
+    blocks = {**tiles.blocks, "BLOCK_U": mix_tiles(n, head).blocks["BLOCK_U"]}
+    if collapse:
+        return Tiles(blocks, num_warps=tiles.num_warps)
+    return Tiles({**blocks, "BLOCK_D": 1}, num_warps=num_warps_for(blocks["BLOCK_T"] * blocks["BLOCK_S"] ** 2))
 
 
 def post_tiles(n: int, dim: int) -> Tiles:
@@ -197,10 +239,21 @@ def post_tiles(n: int, dim: int) -> Tiles:
     return Tiles({"BLOCK_S": block_s, "BLOCK_D": block_d}, num_warps=num_warps_for(block_s * block_s * block_d // 2))
 
 
+@dataclass
+class Mixed:
+    """What the two mixing kernels return: the collapse, or ``pre``, and for a site (not the head) ``post``, ``comb``."""
+
+    out: torch.Tensor | None
+    pre: torch.Tensor | None
+    post: torch.Tensor | None
+    comb: torch.Tensor | None
+
+
 def _mix_and_finish(
     x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    norm_eps: float, hc_eps: float, iters: int, head: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    norm_eps: float, hc_eps: float, iters: int, head: bool, collapse: bool = True,
+) -> Mixed:
+    """The mixing matmul, then the finishing kernel: collapsing with the site's own ``pre`` (``collapse``) or storing it."""
     tokens, n, dim = x.shape
     nu = n if head else (2 + n) * n
     if tuple(fn.shape) != (nu, n * dim) or tuple(base.shape) != (nu,) or scale.numel() != (1 if head else 3):
@@ -221,31 +274,64 @@ def _mix_and_finish(
     _mix_kernel[(token_blocks, splits)](
         x, fn, part, sq, tokens, kd, nu, slice_len, kd, fn.stride(0), PREC=mix_precision(x.dtype), **mix.kwargs(),
     )
-    out = torch.empty(tokens, dim, dtype=x.dtype, device=dev)
-    post = None if head else torch.empty(tokens, n, dtype=torch.float32, device=dev)
-    comb = None if head else torch.empty(tokens, n, n, dtype=torch.float32, device=dev)
-    finish = finish_tiles(n, dim, head)
-    _finish_kernel[(token_blocks, triton.cdiv(dim, finish.blocks["BLOCK_D"]))](
-        x, part, sq, base, scale, out, out if post is None else post, out if comb is None else comb,
-        tokens, n, dim, splits, int(iters), float(norm_eps), float(hc_eps), x.stride(0), x.stride(1), out.stride(0),
-        HEAD=head, **finish.kwargs(),
+    f32 = dict(dtype=torch.float32, device=dev)
+    got = Mixed(
+        out=torch.empty(tokens, dim, dtype=x.dtype, device=dev) if collapse else None,
+        pre=None if collapse else torch.empty(tokens, n, **f32),
+        post=None if head else torch.empty(tokens, n, **f32),
+        comb=None if head else torch.empty(tokens, n, n, **f32),
     )
-    return out, post, comb
+    finish = finish_tiles(n, dim, head, collapse)
+    # outputs a launch does not write are given as some other tensor of the launch (never touched)
+    out = got.out if got.out is not None else part
+    _finish_kernel[(token_blocks, triton.cdiv(dim, finish.blocks["BLOCK_D"]) if collapse else 1)](
+        x, part, sq, base, scale, out, part if got.pre is None else got.pre, part if got.post is None else got.post,
+        part if got.comb is None else got.comb, tokens, n, dim, splits, int(iters), float(norm_eps), float(hc_eps),
+        x.stride(0), x.stride(1), out.stride(0), HEAD=head, COLLAPSE=collapse, **finish.kwargs(),
+    )
+    return got
 
 
 def mhc_pre(
     x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
     norm_eps: float, hc_eps: float, sinkhorn_iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``Kernels.mhc_pre`` on the device for ``T >= 1`` tokens."""
-    out, post, comb = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False)
-    assert post is not None and comb is not None
-    return out, post, comb
+    """``Kernels.mhc_pre`` on the device for ``T >= 1`` tokens: the collapse fused into the finishing kernel."""
+    got = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False)
+    assert got.out is not None and got.post is not None and got.comb is not None
+    return got.out, got.post, got.comb
+
+
+def mhc_mix(
+    x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    norm_eps: float, hc_eps: float, sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Kernels.mhc_mix`` on the device for ``T >= 1`` tokens: ``mhc_pre``'s kernels with the collapse off."""
+    got = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False, collapse=False)
+    assert got.pre is not None and got.post is not None and got.comb is not None
+    return got.pre, got.post, got.comb
 
 
 def mhc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float) -> torch.Tensor:
     """``Kernels.mhc_head`` on the device for ``T >= 1`` tokens."""
-    return _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, 0, head=True)[0]
+    got = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, 0, head=True)
+    assert got.out is not None
+    return got.out
+
+
+def mhc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``Kernels.mhc_collapse`` on the device for ``T >= 1`` tokens."""
+    if x.dim() != 3 or tuple(pre.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"mhc_collapse: need x [T, n, D] and pre [T, n], got {tuple(x.shape)} and {tuple(pre.shape)}")
+    tokens, n, dim = x.shape
+    x, pre = unit_inner(x), unit_inner(pre)
+    out = torch.empty(tokens, dim, dtype=x.dtype, device=x.device)
+    tiles = collapse_tiles(n, dim)
+    grid = (triton.cdiv(tokens, tiles.blocks["BLOCK_T"]), triton.cdiv(dim, tiles.blocks["BLOCK_D"]))
+    _collapse_kernel[grid](
+        x, pre, out, tokens, n, dim, x.stride(0), x.stride(1), pre.stride(0), out.stride(0), **tiles.kwargs(),
+    )
+    return out
 
 
 def mhc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

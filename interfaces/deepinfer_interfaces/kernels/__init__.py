@@ -15,6 +15,7 @@ from .base import acc_dtype, op
 from .bitmask import BitmaskOps, unpack_bitmask
 from .cache_ops import CacheOps
 from .compressor import CompressorOps
+from .engram import EngramOps
 from .indexer import IndexerOps
 from .mhc import MHCOps
 from .moe import MoEOps
@@ -36,6 +37,7 @@ class Kernels(
     MHCOps,
     MoEOps,
     QuantOps,
+    EngramOps,
 ):
     """The reference kernel set, in plain PyTorch; its methods are the specification."""
 

@@ -1,4 +1,5 @@
-"""The lightning indexer of compressed sparse attention: scores and top-k selection."""
+"""The lightning indexer of compressed sparse attention: scores, top-k selection, and
+V4.1's candidate blocks (the first level of its two-level top-k)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,39 @@ class IndexerOps:
         finite = scores.gather(1, order) > float("-inf")
         out[:, :take] = torch.where(finite, picked, torch.full_like(picked, -1))
         return out
+
+    @op
+    def candidate_blocks(self, scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
+        """The columns of the ``topk_blocks`` best blocks of each row (V4.1's candidate source).
+
+        ``scores`` ``[T, N]``: column ``j`` is compressed entry ``j`` of the
+        query's sequence, ``-inf`` where it is not a valid candidate (entries
+        ``j >= visible[t]`` always are); ``visible`` ``[T]`` int64. Block ``b``
+        covers columns ``[b·block_size, (b+1)·block_size)`` (the last may be
+        partial); its score is the max over its columns. When ``visible[t] > 0``
+        the block holding entry ``visible[t] − 1`` (the newest, partly filled)
+        is pinned: always kept, ranked above every other block. The
+        ``topk_blocks`` highest-ranked blocks are kept, ties going to the lower
+        block index; a block whose score is ``-inf`` is never kept unless pinned.
+
+        Returns ``[T, N]`` bool, True at every column of a kept block (its
+        ``-inf`` columns included); later indexers mask their scores with it
+        (``scores.masked_fill(~mask, -inf)``). With ``topk_blocks`` at least the
+        number of blocks every finite block is kept: the dense selection.
+        """
+        if topk_blocks < 1 or block_size < 1:
+            raise ValueError(f"candidate_blocks: topk_blocks and block_size must be >= 1, got {topk_blocks} and {block_size}")
+        t, n = scores.shape
+        if t == 0 or n == 0:
+            return torch.zeros(t, n, dtype=torch.bool, device=scores.device)
+        nb = -(-n // block_size)
+        padded = torch.nn.functional.pad(scores, (0, nb * block_size - n), value=float("-inf"))
+        best = padded.view(t, nb, block_size).amax(dim=-1)
+        ids = torch.arange(nb, device=scores.device)
+        pinned = (visible[:, None] > 0) & (ids[None, :] == torch.div(visible[:, None] - 1, block_size, rounding_mode="floor"))
+        # rank by score (stable: equal scores in block order), then move the pinned block first (stable again)
+        order = torch.sort(best, dim=-1, descending=True, stable=True).indices
+        order = order.gather(1, torch.sort(pinned.gather(1, order).to(torch.int8), dim=-1, descending=True, stable=True).indices)
+        rank = torch.empty_like(order).scatter_(1, order, ids.expand(t, nb).contiguous())
+        kept = (rank < topk_blocks) & (pinned | (best > float("-inf")))
+        return kept.repeat_interleave(block_size, dim=1)[:, :n]

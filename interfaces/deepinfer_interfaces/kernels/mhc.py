@@ -1,4 +1,14 @@
-"""Manifold-constrained hyper-connections (mHC): mixing ``n`` residual streams."""
+"""Manifold-constrained hyper-connections (mHC): mixing ``n`` residual streams.
+
+V4 collapses a site's streams with that site's own ``pre`` (``mhc_pre``) and
+the final streams with head weights of their own (``mhc_head``). V4.1 computes
+the same mixes from one projection, but a site's ``pre`` is consumed by the
+next site: the attention input collapses with the previous site's ``pre`` (the
+first layer's with a one-hot ``pre`` on stream 0), the FFN input with the
+attention site's, and the final hidden state with the last FFN site's (there is
+no head). So ``mhc_pre`` is the two halves V4.1 calls apart: ``mhc_mix`` (the
+weights) then ``mhc_collapse`` (the weighted sum of the streams).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +26,7 @@ def _mix_logits(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, acc: torch.d
 
 class MHCOps:
     @op
-    def mhc_pre(
+    def mhc_mix(
         self,
         x: torch.Tensor,
         fn: torch.Tensor,
@@ -26,7 +36,7 @@ class MHCOps:
         hc_eps: float,
         sinkhorn_iters: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Weights of one hyper-connection and the block input they collapse.
+        """The three mixes of one hyper-connection site, from one projection of its streams.
 
         ``x`` is ``[T, n, D]`` (``n`` residual streams per token), ``fn``
         ``[(2+n)·n, n·D]``, ``base`` ``[(2+n)·n]``, ``scale`` ``[3]``. With
@@ -42,8 +52,8 @@ class MHCOps:
         rows (sum over ``k``) then columns likewise. ``comb[j, k]`` is the share
         of input stream ``j`` in output stream ``k`` (see ``mhc_post``).
 
-        Returns ``collapsed = Σ_j pre_j · x_j`` ``[T, D]`` in ``x.dtype``, and
-        ``post`` ``[T, n]`` and ``comb`` ``[T, n, n]`` in fp32 (fp64 for fp64 x).
+        Returns ``pre`` ``[T, n]``, ``post`` ``[T, n]`` and ``comb`` ``[T, n, n]``,
+        in fp32 (fp64 for fp64 x).
         """
         acc = acc_dtype(x)
         n = x.shape[1]
@@ -63,9 +73,41 @@ class MHCOps:
         for _ in range(sinkhorn_iters - 1):
             c = c / (c.sum(dim=1, keepdim=True) + eps)
             c = c / (c.sum(dim=0, keepdim=True) + eps)
-        comb = c.permute(2, 0, 1).contiguous()
-        collapsed = (pre[..., None] * x.to(acc)).sum(dim=1)
-        return collapsed.to(x.dtype), post, comb
+        return pre, post, c.permute(2, 0, 1).contiguous()
+
+    @op
+    def mhc_collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """The block input a hyper-connection feeds: the streams summed with the weights ``pre``.
+
+        ``x`` ``[T, n, D]``, ``pre`` ``[T, n]`` (from ``mhc_mix``; in V4.1 the
+        previous site's)::
+
+            out[t] = Σ_j pre[t, j] · x[t, j]
+
+        Computed in fp32 (fp64 for fp64 x), returned ``[T, D]`` in ``x.dtype``.
+        """
+        acc = acc_dtype(x)
+        return (pre.to(acc)[..., None] * x.to(acc)).sum(dim=1).to(x.dtype)
+
+    @op
+    def mhc_pre(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Weights of one hyper-connection and the block input they collapse (V4).
+
+        ``mhc_mix`` of ``x``, then ``mhc_collapse`` of ``x`` with that same
+        site's ``pre``. Returns ``collapsed`` ``[T, D]`` in ``x.dtype``, and
+        ``post`` ``[T, n]`` and ``comb`` ``[T, n, n]`` in fp32 (fp64 for fp64 x).
+        """
+        pre, post, comb = self.mhc_mix(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return self.mhc_collapse(x, pre), post, comb
 
     @op
     def mhc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -73,7 +115,7 @@ class MHCOps:
 
         ``y`` ``[T, D]`` is the block output, ``x`` ``[T, n, D]`` the streams that
         entered the block, ``post`` ``[T, n]`` and ``comb`` ``[T, n, n]`` from
-        ``mhc_pre``::
+        ``mhc_mix`` (or ``mhc_pre``)::
 
             out[t, k] = post[t, k] · y[t] + Σ_j comb[t, j, k] · x[t, j]
 
@@ -93,7 +135,7 @@ class MHCOps:
         norm_eps: float,
         hc_eps: float,
     ) -> torch.Tensor:
-        """The final collapse of ``n`` streams into one hidden state.
+        """The final collapse of ``n`` streams into one hidden state (V4; V4.1 has no head).
 
         ``x`` ``[T, n, D]``, ``fn`` ``[n, n·D]``, ``base`` ``[n]``, ``scale`` ``[1]``::
 
@@ -105,4 +147,4 @@ class MHCOps:
         acc = acc_dtype(x)
         u = _mix_logits(x, fn, norm_eps, acc)
         pre = torch.sigmoid(u * scale.to(acc) + base.to(acc)) + hc_eps
-        return (pre[..., None] * x.to(acc)).sum(dim=1).to(x.dtype)
+        return self.mhc_collapse(x, pre)

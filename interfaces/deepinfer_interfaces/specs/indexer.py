@@ -1,5 +1,7 @@
 """Lightning-indexer cases: scores with -1 padded and fully invalid rows; top-k with
-padding, k beyond the candidates and invalid picks; empty batches."""
+padding, k beyond the candidates and invalid picks; candidate blocks (V4.1's two-level
+top-k) with ties, the pinned newest block, a partial last block, nothing visible, rows
+of -inf, every block kept, and a real-shape row; empty batches."""
 
 import torch
 
@@ -39,5 +41,52 @@ def _topk_cases() -> list[Case]:
     ]
 
 
+NEG = float("-inf")
+
+
+def _visible_only(scores: torch.Tensor, visible: list[int]) -> dict:
+    """``scores`` with every entry a query cannot see set to ``-inf``, and its ``visible`` counts."""
+    vis = torch.tensor(visible, dtype=torch.int64)
+    cols = torch.arange(scores.shape[1])
+    return dict(scores=scores.masked_fill(cols[None, :] >= vis[:, None], NEG), visible=vis)
+
+
+def _rows(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def _candidate_cases() -> list[Case]:
+    """Integer scores (exact in every float dtype) so that every tie is a tie in bf16 too."""
+    g = seeded(14)
+    few_values = torch.randint(0, 3, (4, 32), generator=g).float()  # block maxima tie almost everywhere
+    # block size 3, 6 blocks: the pinned block scores lowest (row 0), is all -inf (row 1), is also the best (row 2)
+    pin = _rows(
+        [9, 1, 0, 8, 2, 2, 7, 0, 1, 6, 6, 6, 5, 0, 0, 1, 0, NEG],
+        [9, 1, 0, 8, 2, 2, 7, 0, 1, 6, 6, 6, NEG, NEG, NEG, NEG, NEG, NEG],
+        [1, 1, 0, 8, 2, 2, 7, 0, 1, 6, 6, 6, 5, 0, 0, 1, 9, NEG],
+    )
+    partial = torch.randint(-20, 20, (3, 37), generator=g).float()  # block 8: 4 full blocks and one of 5 columns
+    holes = torch.randint(-50, 50, (3, 24), generator=g).float()
+    holes[:, 4:8] = NEG  # an invalid block between valid ones
+    holes[1, 12:16] = NEG
+    real = torch.randn(3, 3000, generator=g)
+    real[torch.rand(3, 3000, generator=g) < 0.1] = NEG
+    nothing = torch.full((3, 20), NEG)
+    nothing[1, :7] = torch.tensor([3.0, 1, 4, 1, 5, 9, 2])
+    return [
+        Case("ties_between_blocks", dict(_visible_only(few_values, [32, 32, 19, 27]), topk_blocks=3, block_size=4)),
+        Case("pinned_newest_block", dict(_visible_only(pin, [17, 17, 17]), topk_blocks=3, block_size=3)),
+        Case("partial_last_block", dict(_visible_only(partial, [37, 33, 30]), topk_blocks=2, block_size=8)),
+        Case("visible_zero", dict(_visible_only(nothing, [0, 7, 0]), topk_blocks=2, block_size=4)),
+        Case("all_neg_inf_rows", dict(scores=torch.full((3, 20), NEG), visible=torch.tensor([20, 5, 1]), topk_blocks=2, block_size=4)),
+        Case("topk_beyond_blocks_is_dense", dict(_visible_only(holes, [24, 22, 9]), topk_blocks=8, block_size=4)),
+        Case("one_token", dict(_visible_only(torch.randint(-5, 5, (1, 29), generator=g).float(), [26]), topk_blocks=2, block_size=4)),
+        Case("t3_n3000_block8_top64", dict(_visible_only(real, [3000, 2500, 1001]), topk_blocks=64, block_size=8)),
+        Case("no_entries", dict(scores=torch.empty(2, 0), visible=torch.zeros(2, dtype=torch.int64), topk_blocks=4, block_size=8)),
+        Case("empty_batch", dict(scores=torch.empty(0, 16), visible=torch.empty(0, dtype=torch.int64), topk_blocks=2, block_size=8)),
+    ]
+
+
 register(OpSpec(op="indexer_scores", cases=_score_cases, cast=("q", "weights", "keys")))
 register(OpSpec(op="topk_select", cases=_topk_cases, cast=("scores",), exact=True))
+register(OpSpec(op="candidate_blocks", cases=_candidate_cases, cast=("scores",), exact=True))

@@ -1,14 +1,15 @@
-"""Hyper-connection cases: 4 and 2 streams, full and single Sinkhorn iteration, empty batch."""
+"""Hyper-connection cases: 4 and 2 streams, full and single Sinkhorn iteration, one token, empty
+batch, and V4.1's width (4 streams of 5120) for the mixes and the collapse it calls apart."""
 
 import torch
 
 from .spec import Case, OpSpec, randn, register, seeded
 
 
-def _pre(g: torch.Generator, t: int, n: int, d: int, iters: int) -> dict:
+def _pre(g: torch.Generator, t: int, n: int, d: int, iters: int, fn_scale: float = 0.1) -> dict:
     return dict(
         x=randn(t, n, d, gen=g),
-        fn=randn((2 + n) * n, n * d, gen=g, scale=0.1),
+        fn=randn((2 + n) * n, n * d, gen=g, scale=fn_scale),
         base=randn((2 + n) * n, gen=g, scale=0.5),
         scale=torch.rand(3, generator=g) + 0.5,
         norm_eps=1e-6,
@@ -23,6 +24,41 @@ def _pre_cases() -> list[Case]:
         Case("t5_n4_d16_20_iters", _pre(g, 5, 4, 16, 20)),
         Case("t3_n2_d8_one_iter", _pre(g, 3, 2, 8, 1)),
         Case("empty_batch", _pre(g, 0, 4, 8, 20)),
+    ]
+
+
+#: DeepSeek-V4.1's hyper-connections: 4 streams of its hidden size 5120
+V41_STREAMS, V41_HIDDEN = 4, 5120
+
+
+def _mix_cases() -> list[Case]:
+    g = seeded(18)
+    # fn scaled by 1/sqrt(n·D) at the real width, so the logits stay O(1) and sigmoid/softmax do not saturate
+    wide = (V41_STREAMS * V41_HIDDEN) ** -0.5
+    return [
+        Case("t5_n4_d16_20_iters", _pre(g, 5, 4, 16, 20)),
+        Case("t3_n2_d8_one_iter", _pre(g, 3, 2, 8, 1)),
+        Case("t1_n4_d24_one_token", _pre(g, 1, 4, 24, 20)),
+        Case("t3_n4_d5120_v41_width", _pre(g, 3, V41_STREAMS, V41_HIDDEN, 20, fn_scale=wide)),
+        Case("empty_batch", _pre(g, 0, 4, 8, 20)),
+    ]
+
+
+def _collapse(g: torch.Generator, t: int, n: int, d: int) -> dict:
+    """Streams and positive weights, as ``mhc_mix``'s ``pre`` (sigmoid + eps) has them."""
+    return dict(x=randn(t, n, d, gen=g), pre=torch.rand(t, n, generator=g) + 1e-6)
+
+
+def _collapse_cases() -> list[Case]:
+    g = seeded(19)
+    one_hot = dict(x=randn(2, 4, 16, gen=g), pre=torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 2))
+    return [
+        Case("t5_n4_d16", _collapse(g, 5, 4, 16)),
+        Case("t3_n2_d8", _collapse(g, 3, 2, 8)),
+        Case("t2_n4_d16_one_hot_stream0", one_hot),
+        Case("t1_n4_d24_one_token", _collapse(g, 1, 4, 24)),
+        Case("t3_n4_d5120_v41_width", _collapse(g, 3, V41_STREAMS, V41_HIDDEN)),
+        Case("empty_batch", dict(x=torch.empty(0, 4, 8), pre=torch.empty(0, 4))),
     ]
 
 
@@ -51,5 +87,7 @@ def _head_cases() -> list[Case]:
 
 
 register(OpSpec(op="mhc_pre", cases=_pre_cases, cast=("x",)))
+register(OpSpec(op="mhc_mix", cases=_mix_cases, cast=("x",)))
+register(OpSpec(op="mhc_collapse", cases=_collapse_cases, cast=("x",)))
 register(OpSpec(op="mhc_post", cases=_post_cases, cast=("y", "x")))
 register(OpSpec(op="mhc_head", cases=_head_cases, cast=("x",)))

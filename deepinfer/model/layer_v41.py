@@ -1,0 +1,65 @@
+"""One DeepSeek V4.1 decoder layer: Engram injection, then attention and MoE in hyper-connections.
+
+V4.1 computes each site's mixes from one projection of the streams, but the
+``pre`` weights a site computes collapse the streams for the *next* site: the
+attention input is collapsed with the previous layer's FFN ``pre`` (one-hot on
+stream 0 before the first layer) and the FFN input with this layer's attention
+``pre``; the layer hands its FFN ``pre`` on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_interfaces import Kernels
+
+from .attention_v41 import SharedAttention, SharedIndices
+from .cache import ModelCache
+from .config import ModelConfig
+from .config_v41_text import V41Layer
+from .engram import Engram, EngramTable
+from .layer import HyperConnection
+from .linear import QuantPlan
+from .metadata import LayerMeta
+from .moe import ExpertSharding, MoE
+from .params import ParamTree
+
+
+class DecoderLayerV41(ParamTree):
+    def __init__(
+        self, config: ModelConfig, layer: V41Layer, dtype: torch.dtype, device, plan: QuantPlan,
+        sharding: ExpertSharding | None = None, table: EngramTable | None = None,
+    ) -> None:
+        """``table``: this layer's Engram table, memory-mapped (None: held as parameters the loader fills)."""
+        super().__init__(device)
+        self.index = layer.index
+        self.role = layer
+        self.layer_type = None  # set by the model: this layer's cache kind
+        self.eps = config.rms_norm_eps
+        self.attn = self.child("attn", SharedAttention(config, layer, dtype, device, plan))
+        self.ffn = self.child("ffn", MoE(config, False, dtype, device, plan, sharding=sharding, layer=layer.index))
+        self.attn_norm = self.param("attn_norm.weight", (config.hidden_size,), torch.float32)
+        self.ffn_norm = self.param("ffn_norm.weight", (config.hidden_size,), torch.float32)
+        self.hc_attn = HyperConnection(self, "attn", config)
+        self.hc_ffn = HyperConnection(self, "ffn", config)
+        self.engram: Engram | None = None
+        if layer.engram_table is not None:
+            self.engram = self.child("engram", Engram(
+                config.v41, layer.index, dtype, device, table=table, wkv_storage=plan.storage("engram.wkv"),
+            ))
+
+    def __call__(
+        self, k: Kernels, streams: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, meta: LayerMeta,
+        cache: ModelCache, shared: SharedIndices, hash_ids: dict[int, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, hc_mult, D]`` streams and the previous site's ``[T, hc_mult]`` pre in; the same out."""
+        if self.engram is not None:
+            streams = self.engram(k, streams, hash_ids[self.index])
+        attn_pre, post, comb = self.hc_attn.mix(k, streams)
+        x = k.mhc_collapse(streams, pre)
+        y = self.attn(k, k.rms_norm(x, self.attn_norm, self.eps), meta, cache, shared)
+        streams = k.mhc_post(y, streams, post, comb)
+        ffn_pre, post, comb = self.hc_ffn.mix(k, streams)
+        x = k.mhc_collapse(streams, attn_pre)
+        y = self.ffn(k, k.rms_norm(x, self.ffn_norm, self.eps), input_ids)
+        return k.mhc_post(y, streams, post, comb), ffn_pre

@@ -1,0 +1,151 @@
+"""The DeepSeek V4.1 causal LM (text): shared compressed KV, Engram n-gram memory, V4.1's mHC.
+
+Parameters carry the names the V4 model uses for the same tensors (the
+release's names map to them through ``loader/names.py``); the Engram tables
+stay in the checkpoint's files, memory-mapped, and only the rows a step's
+n-grams hash to are read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_interfaces import Kernels
+
+from .attention_v41 import SharedIndices
+from .cache import ModelCache
+from .cache_spec import v41_kind
+from .config import ModelConfig
+from .engram import TABLE_KEYS, EngramHasher, EngramLayout, EngramTable, compressed_vocabulary
+from .inputs import ForwardInputs
+from .layer_v41 import DecoderLayerV41
+from .linear import QuantPlan
+from .metadata import build_layer_metas
+from .model import CausalLM
+from .moe import ExpertSharding
+
+
+class DeepseekV41Model(CausalLM):
+    """Weights in ``dtype`` except those kept in fp32 (norms, hyper-connections, sinks, router biases) and
+    those the ``plan`` keeps quantized. The Engram layers need the tokenizer's compressed vocabulary
+    (``loaded`` builds it from the checkpoint directory, or call ``bind_engram``)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        kernels: Kernels,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        plan: QuantPlan | None = None,
+        sharding: ExpertSharding | None = None,
+        tables: dict[int, EngramTable] | None = None,
+    ) -> None:
+        """``tables``: the Engram tables by layer, memory-mapped from the checkpoint (``from_pretrained``);
+        None: held as parameters the loader fills (small models)."""
+        if config.v41 is None:
+            raise ValueError("DeepseekV41Model needs a DeepSeek V4.1 config (ModelConfig.v41)")
+        super().__init__(config, kernels, dtype=dtype, device=device, plan=plan, sharding=sharding)
+        c = config
+        self.mapped_tables = tables is not None
+        tables = tables or {}
+        self.layers = [
+            DecoderLayerV41(c, role, dtype, device, self.plan, sharding, tables.get(role.index)) for role in c.v41.layers()
+        ]
+        for layer in self.layers:
+            layer.layer_type = v41_kind(layer.role)
+            self.body.child(f"layers.{layer.index}", layer)
+        self.norm = self.body.param("norm.weight", (c.hidden_size,), torch.float32)
+        self.engram_layers = [layer.engram for layer in self.layers if layer.engram is not None]
+        #: the Engram n-gram hashing, the compressed id of every token and of the pad token (``bind_engram``)
+        self.hasher: EngramHasher | None = None
+        self.token_map: torch.Tensor | None = None
+        self.pad_id = 0
+
+    @classmethod
+    def checkpoint_kwargs(cls, config: ModelConfig, checkpoint) -> dict:
+        """The Engram tables, memory-mapped from the checkpoint's files (never loaded whole)."""
+        return {"tables": {i: EngramTable.from_catalog(checkpoint.catalog, i) for i in config.v41.engram_layer_ids}}
+
+    def loaded(self, checkpoint) -> None:
+        """Hash the n-grams with the checkpoint's tokenizer."""
+        if self.engram_layers:
+            from ..loader.tokenizer import load_tokenizer
+
+            self.bind_engram(load_tokenizer(checkpoint.directory))
+
+    def bind_engram(self, tokenizer) -> None:
+        """Build the n-gram hashing from ``tokenizer`` (its compressed vocabulary must be the config's size)."""
+        v = self.config.v41
+        lookup, _ = compressed_vocabulary(tokenizer, v.engram_compressed_vocab_size)
+        table = torch.zeros(max(self.config.vocab_size, len(lookup)), dtype=torch.int64)
+        table[: len(lookup)] = torch.from_numpy(lookup)
+        self.token_map = table.to(self.device)
+        self.pad_id = int(lookup[v.engram_pad_token_id])
+        self.hasher = EngramHasher(EngramLayout.from_config(v), self.device)
+
+    def graph_blocker(self) -> str | None:
+        """Engram tables mapped in host memory while the model runs on another device: each lookup copies
+        its hash ids to the host, which a captured graph cannot do."""
+        for engram in self.engram_layers:
+            if engram.table.codes.device != self.device:
+                return f"the Engram tables are memory-mapped on the host and the model runs on {self.device}"
+        return None
+
+    def not_loaded(self, name: str) -> bool:
+        """Also memory-mapped Engram tables' tensors: read by rows from the files, never loaded."""
+        table = self.mapped_tables and ".engram." in name and name.endswith(TABLE_KEYS)
+        return table or super().not_loaded(name)
+
+    def forward(self, inputs: ForwardInputs, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """One step, as ``DeepseekV4Model.forward``: every layer's state written into ``cache``, ``[L, vocab]``
+        logits returned, nothing read back to the host."""
+        k = self.kernels
+        c = self.config
+        metas = build_layer_metas(inputs, cache.geometry, self.rope_main, self.rope_compress)
+        if self.sharding is not None:
+            self.sharding.begin_forward(inputs.positions, inputs.live)
+        ids = inputs.input_ids
+        streams = self.embed[ids][:, None, :].expand(-1, c.hc_mult, -1).contiguous()
+        pre = torch.zeros(ids.shape[0], c.hc_mult, dtype=torch.float32, device=ids.device)
+        pre[:, 0] = 1.0  # the first site collapses stream 0
+        hash_ids = self.hasher(k, self.ngrams(inputs, cache)) if self.engram_layers else {}
+        shared = SharedIndices()
+        self.hidden_states = {}
+        tail_from = len(self.layers) - len(inputs.tail_rows or ())
+        rows = None  # the batch rows the layers compute from here on (None: all)
+        for layer in self.layers:
+            meta = metas[layer.layer_type]
+            j = layer.index - tail_from
+            if j >= 0 and (rows is not None or inputs.tail_rows[j].shape[0] < ids.shape[0]):
+                # a prefill's early positions need no layer past the last KV source: compute its tail only
+                take, rows = inputs.tail_take[j], inputs.tail_rows[j]
+                streams, pre, ids = streams[take], pre[take], ids[take]
+                hash_ids = {i: h[take] for i, h in hash_ids.items()}
+                shared.topk = shared.topk[take] if shared.topk is not None else None
+                shared.candidates = shared.candidates[take] if shared.candidates is not None else None
+            if rows is not None:
+                meta = meta.select(rows)
+            streams, pre = layer(k, streams, pre, ids, meta, cache, shared, hash_ids)
+            if layer.index in hidden_layers:
+                mean = streams.mean(dim=1)
+                if rows is not None:  # rows the tail skipped hold zeros (never read: see prefill_margin)
+                    mean = torch.zeros(inputs.input_ids.shape[0], mean.shape[1], dtype=mean.dtype,
+                                       device=mean.device).index_copy_(0, rows, mean)
+                self.hidden_states[layer.index] = mean
+        out = inputs.logits_indices if rows is None else inputs.tail_logits
+        h = k.mhc_collapse(streams[out], pre[out])
+        return k.rms_norm(h, self.norm, c.rms_norm_eps) @ self.head.t()
+
+    def ngrams(self, inputs: ForwardInputs, cache: ModelCache) -> torch.Tensor:
+        """``[T, N]`` compressed ids of each token's n-gram (itself first, then the ones before it; the pad id
+        before the sequence start), through the cache's ring of raw token ids."""
+        if self.hasher is None:
+            raise ValueError("the Engram layers need the tokenizer's compressed vocabulary: call bind_engram(tokenizer)")
+        ring = cache.history
+        self.kernels.cache_write(ring, inputs.history_seed_rows, inputs.history_seed_ids)
+        self.kernels.cache_write(ring, inputs.history_write, inputs.input_ids)
+        rows = inputs.history_rows
+        ids = self.token_map[ring[rows.clamp(min=0)]]
+        return torch.where(rows >= 0, ids, self.pad_id)
+

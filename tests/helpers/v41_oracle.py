@@ -1,0 +1,601 @@
+"""A dense, cache-free float64 oracle of DeepSeek V4.1's text forward, written from the published math.
+
+The published description is transformers' main-branch ``deepseek_v41`` modelling
+code; this module re-derives every step in plain PyTorch over one whole sequence
+(no KV cache, no chunking) and imports nothing from ``deepinfer``: the config is
+read from ``config.json``, the tensors straight from ``model.safetensors`` under
+the release's names, the tokenizer with ``tokenizers.Tokenizer.from_file``.
+
+Covered: interleaved-pair partial RoPE (plain ``main`` rope on ratio-0 layers,
+``compress`` rope, optionally YaRN, on compressed layers, the indexer and the
+compressed entries); the shared-KV attention with sinks, a sliding window, the
+inverse rope on the output and the grouped ``wo_a`` / ``wo_b``; the KV sources'
+compressor (ratio 1: a normed per-token projection; ratio m: a softmax-gated
+pooling of m tokens); indexer keys, scores, visibility, the two-level top-k and
+the reuse of the last index source's selection; the MoE router and clamped
+SwiGLU experts plus the shared expert; V4.1's mHC with Sinkhorn and its
+one-site-late ``pre`` collapse; Engram (compressed vocabulary, prime bucket
+layout, hash multipliers, n-gram hash, FP8 rows with UE8M0 scales, the gated
+injection).
+
+Not covered: the QAT fake quantization of the published code (FP8 window KV per
+32 channels, FP4 compressed KV per 16, FP4 indexer q/k per 32). It is skipped
+there whenever the channel count is not a multiple of the block, so a config
+whose ``head_dim`` is not a multiple of 16 and whose ``index_head_dim`` is not
+a multiple of 32 is one where this oracle and the published math agree; the
+oracle refuses any other.
+
+Exact ties in a top-k choice (common on tiny configs: with few indexer heads
+many entries score exactly 0 after the relu) are broken towards the lower index
+(older entry, lower block), as a stable sort does; the published code leaves the
+order to ``torch.topk``, so there it is unspecified.
+
+The published code's cache-free path (``use_cache=False``) concatenates the
+second KV source's entries onto the first source's; its cached path, the one
+``forward`` takes by default, gives each KV source its own entries. The oracle
+follows the cached path's semantics: each KV source replaces the shared entries.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+DTYPE = torch.float64
+
+
+# ----------------------------------------------------------------------------- config and tensors
+
+
+@dataclass
+class OracleResult:
+    """The oracle's logits plus what a failing comparison needs to be explained."""
+
+    #: ``[T, vocab]`` float64
+    logits: torch.Tensor
+    #: layer index -> ``[T, hidden]``: the attention input (normed collapse) of that layer
+    attn_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: layer index -> ``[T, hc, hidden]``: the residual streams after that layer
+    streams: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: the smallest gap, relative to the row's scale, between the last kept and the first dropped score
+    #: of any discrete selection (indexer top-k, candidate blocks, expert routing), exact ties excluded:
+    #: a tiny one means rounding could flip the choice
+    min_margin: float = math.inf
+    #: selections that fell inside an exact tie (e.g. several entries scoring exactly 0 after the relu);
+    #: they are broken towards the lower index, as a stable sort does
+    exact_ties: int = 0
+    #: index source layer -> ``[T, G]`` its indexer scores (masked), for diagnosis
+    index_scores: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _load_text_config(directory: Path) -> dict[str, Any]:
+    raw = json.loads((directory / "config.json").read_text())
+    if raw.get("model_type") != "deepseek_v41":
+        raise ValueError(f"{directory} is not a deepseek_v41 checkpoint")
+    text = dict(raw["text_config"])
+    text.setdefault("engram_pad_token_id", text.get("engram_pad_id", 2))
+    text.setdefault("swiglu_limit", 10.0)
+    text.setdefault("scoring_func", "sqrtsoftplus")
+    text.setdefault("norm_topk_prob", True)
+    text.setdefault("gate_temp", 1.0)
+    text.setdefault("rms_norm_eps", 1e-20)
+    text.setdefault("hc_eps", 1e-6)
+    n = text["num_hidden_layers"]
+    if text.get("candidate_source_layer_id") is None:
+        kv = text["kv_source_layer_ids"]
+        text["candidate_source_layer_id"] = kv[-1] if kv else -1
+    text["compress_ratios"] = list(text["compress_ratios"][:n])
+    if text["head_dim"] % 16 == 0 or text["index_head_dim"] % 32 == 0:
+        raise ValueError(
+            f"head_dim={text['head_dim']} / index_head_dim={text['index_head_dim']}: the published QAT fake "
+            "quantization would apply (blocks of 16 / 32 channels), which this oracle does not model"
+        )
+    return text
+
+
+class _Tensors:
+    """The checkpoint's tensors by release name, float ones as float64, read lazily."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self._file = safe_open(str(directory / "model.safetensors"), framework="pt")
+        self._cache: dict[str, torch.Tensor] = {}
+        self.overrides: dict[str, torch.Tensor] = {}
+
+    def raw(self, name: str) -> torch.Tensor:
+        if name in self.overrides:
+            return self.overrides[name]
+        return self._file.get_tensor(name)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            t = self.raw(name)
+            self._cache[name] = t.to(DTYPE)
+        return self._cache[name]
+
+
+# ----------------------------------------------------------------------------- small pieces
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Root-mean-square normalisation over the last axis, optionally scaled per channel."""
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def _yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def rope_frequencies(params: dict[str, Any], rope_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """One inverse frequency per rotated pair and the cos/sin amplitude: plain, or YaRN's blend of
+    interpolated (divided by ``factor``) and original frequencies across a linear ramp of pairs."""
+    base = float(params["rope_theta"])
+    pair = torch.arange(0, rope_dim, 2, dtype=DTYPE) / rope_dim
+    plain = base ** (-pair)
+    if params.get("rope_type", params.get("type", "default")) == "default":
+        return plain, 1.0
+    original = params.get("original_max_position_embeddings") or max_positions
+    factor = params.get("factor") or max_positions / original
+    amplitude = params.get("attention_factor")
+    if amplitude is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            amplitude = _yarn_mscale(factor, params["mscale"]) / _yarn_mscale(factor, params["mscale_all_dim"])
+        else:
+            amplitude = _yarn_mscale(factor)
+    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def pair_of(rotations: float) -> float:
+        # the pair index whose wavelength fits `rotations` times into the original context
+        return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = max(math.floor(pair_of(fast)), 0), min(math.ceil(pair_of(slow)), rope_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    interpolate = ((torch.arange(rope_dim // 2, dtype=DTYPE) - lo) / (hi - lo)).clamp(0, 1)
+    return plain / factor * interpolate + plain * (1 - interpolate), float(amplitude)
+
+
+@dataclass
+class Rope:
+    """Rotates the trailing ``rope_dim`` channels as adjacent (even, odd) pairs."""
+
+    inv_freq: torch.Tensor
+    amplitude: float
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``x`` is ``[N, ..., D]`` with ``positions`` ``[N]``; ``inverse`` rotates by minus the angle."""
+        rd = 2 * self.inv_freq.shape[0]
+        angle = positions.to(DTYPE)[:, None] * self.inv_freq
+        cos, sin = angle.cos() * self.amplitude, angle.sin() * self.amplitude
+        if inverse:
+            sin = -sin
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
+        cos, sin = cos.view(shape), sin.view(shape)
+        head, tail = x[..., : x.shape[-1] - rd], x[..., x.shape[-1] - rd :]
+        re, im = tail[..., 0::2], tail[..., 1::2]
+        out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2)
+        return torch.cat([head, out], dim=-1)
+
+
+def fold_rope(text: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``main`` and ``compress`` rope parameters: given per type, or derived from the thetas with
+    ``rope_scaling`` (YaRN, amplitude 1 unless given) applying to ``compress`` only."""
+    rp = text.get("rope_parameters") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        return dict(rp["main"]), dict(rp["compress"])
+    scaling = {k: v for k, v in (text.get("rope_scaling") or {}).items() if k not in ("main", "compress")}
+    main = {"rope_type": "default", "rope_theta": text.get("rope_theta", 10000.0)}
+    compress = {**scaling, "rope_theta": text.get("compress_rope_theta", 160000.0)}
+    compress.setdefault("rope_type", compress.get("type", "default"))
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)
+    return main, compress
+
+
+def _boundary(values: torch.Tensor, k: int) -> tuple[float, int]:
+    """How close a keep-the-``k``-largest choice per row came to going the other way: the smallest gap
+    between the last kept and the first dropped value, over the row's largest magnitude (exact ties
+    excluded), and the number of rows whose choice fell inside an exact tie."""
+    if values.shape[-1] <= k or k <= 0:
+        return math.inf, 0
+    top = values.sort(dim=-1, descending=True).values
+    kept, dropped = top[..., k - 1], top[..., k]
+    live = torch.isfinite(kept) & torch.isfinite(dropped)
+    ties = int((live & (kept == dropped)).sum())
+    live &= kept != dropped
+    if not live.any():
+        return math.inf, ties
+    scale = torch.where(torch.isfinite(values), values.abs(), 0).amax(-1)
+    gap = (kept - dropped) / (scale + 1e-300)
+    return float(gap[live].min()), ties
+
+
+# ----------------------------------------------------------------------------- mHC
+
+
+def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, text: dict):
+    """``(pre, post, comb)`` of one site from one projection of the RMS-normed flattened streams;
+    ``comb`` is pushed towards doubly stochastic by Sinkhorn (columns first, then rows and columns)."""
+    hc, eps = text["hc_mult"], text["hc_eps"]
+    flat = rms_norm(streams.flatten(1), None, text["rms_norm_eps"])
+    mix = flat @ fn.t()
+    pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mix[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    logits = (mix[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(-1, hc, hc)
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(text["hc_sinkhorn_iters"] - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``Σ_k pre_k · stream_k``: ``[T, hc, D]`` -> ``[T, D]``."""
+    return (pre[:, :, None] * streams).sum(1)
+
+
+def hc_expand(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New stream ``k`` = ``post_k · x + Σ_j comb[j, k] · residual_j``."""
+    return post[:, :, None] * x[:, None, :] + torch.einsum("tjk,tjd->tkd", comb, residual)
+
+
+# ----------------------------------------------------------------------------- Engram
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    i = 2
+    while i * i <= n:
+        if n % i == 0:
+            return False
+        i += 1
+    return True
+
+
+def engram_primes(text: dict) -> list[list[list[int]]]:
+    """``[layer][ngram - 2][head]`` bucket sizes: for each n-gram size the search restarts just above
+    ``engram_vocab_size - 1``, taking the next prime not yet used anywhere."""
+    used: set[int] = set()
+    out = []
+    for _ in text["engram_layer_ids"]:
+        layer = []
+        for _ in range(text["engram_max_ngram_size"] - 1):
+            sizes, at = [], text["engram_vocab_size"] - 1
+            for _ in range(text["engram_n_heads"]):
+                at += 1
+                while not _is_prime(at) or at in used:
+                    at += 1
+                used.add(at)
+                sizes.append(at)
+            layer.append(sizes)
+        out.append(layer)
+    return out
+
+
+def hash_multipliers(layer_ids: list[int], max_ngram: int, vocab: int) -> np.ndarray:
+    """``[layers, max_ngram]`` odd int64 multipliers from numpy's PCG64 seeded ``10007 · layer``,
+    bounded so ``id · multiplier`` fits in int64."""
+    bound = max(1, (np.iinfo(np.int64).max // vocab) // 2)
+    rows = [np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram,), dtype=np.int64) for layer in layer_ids]
+    return np.stack(rows) * 2 + 1
+
+
+def compressed_token_map(tokenizer_file: Path) -> tuple[list[int], int]:
+    """Each token id's id in the compressed vocabulary: ids decoding to texts equal after NFKC, NFD,
+    accent stripping, lowercasing, whitespace-run folding and stripping (a lone space survives) share
+    one; a text holding U+FFFD (a partial UTF-8 byte) is keyed by its raw token string instead."""
+    from tokenizers import Regex, Tokenizer, normalizers
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    keep_space = "\ue000"
+    norm = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), keep_space),
+        normalizers.Strip(), normalizers.Replace(keep_space, " "),
+    ])
+    ids: dict[str, int] = {}
+    lookup = []
+    for token_id in range(tok.get_vocab_size(with_added_tokens=True)):
+        text = tok.decode([token_id], skip_special_tokens=False)
+        key = tok.id_to_token(token_id) if "\ufffd" in text else (norm.normalize_str(text) or text)
+        lookup.append(ids.setdefault(key, len(ids)))
+    return lookup, len(ids)
+
+
+def engram_hash_ids(text: dict, token_ids: list[int], tokenizer_file: Path) -> dict[int, torch.Tensor]:
+    """Layer -> ``[T, (N-1)·heads]`` table rows: for n = 2..N the XOR of the multiplied compressed ids
+    of the n tokens ending at a position (the pad id before the start), modulo each head's prime, plus
+    that (n, head) pair's offset in the layer's table."""
+    lookup, size = compressed_token_map(tokenizer_file)
+    if size != text["engram_compressed_vocab_size"]:
+        raise ValueError(f"compressed vocabulary {size} != engram_compressed_vocab_size {text['engram_compressed_vocab_size']}")
+    pad = lookup[text["engram_pad_token_id"]]
+    n = text["engram_max_ngram_size"]
+    layers = text["engram_layer_ids"]
+    mult = hash_multipliers(layers, n, size)
+    primes = engram_primes(text)
+    comp = [lookup[t] for t in token_ids]
+    out: dict[int, torch.Tensor] = {}
+    for li, layer in enumerate(layers):
+        flat = [p for sizes in primes[li] for p in sizes]
+        offsets = np.concatenate([[0], np.cumsum(flat)[:-1]])
+        rows = np.zeros((len(comp), len(flat)), dtype=np.int64)
+        for pos in range(len(comp)):
+            window = [comp[pos - s] if pos - s >= 0 else pad for s in range(n)]
+            acc = int(window[0]) * int(mult[li, 0])
+            col = 0
+            for s in range(1, n):
+                acc ^= int(window[s]) * int(mult[li, s])
+                for p in primes[li][s - 1]:
+                    rows[pos, col] = acc % p + offsets[col]
+                    col += 1
+        out[layer] = torch.from_numpy(rows)
+    return out
+
+
+def engram_rows(tensors: _Tensors, layer: int, rows: torch.Tensor) -> torch.Tensor:
+    """Dequantised table rows ``[..., head_dim]``: FP8 e4m3 codes times ``2^(e - 127)`` per 32 channels."""
+    codes = tensors.raw(f"layers.{layer}.engram.embed.weight")[rows.flatten()]
+    values = codes.to(torch.float32).to(DTYPE)
+    if codes.dtype in (torch.float8_e4m3fn,):
+        exps = tensors.raw(f"layers.{layer}.engram.embed.scale")[rows.flatten()].to(torch.int64)
+        scales = torch.pow(torch.tensor(2.0, dtype=DTYPE), (exps - 127).to(DTYPE))
+        values = (values.unflatten(-1, (-1, 32)) * scales[..., None]).flatten(-2)
+    return values.view(*rows.shape, -1)
+
+
+def engram(streams: torch.Tensor, rows: torch.Tensor, tensors: _Tensors, layer: int, text: dict) -> torch.Tensor:
+    """Adds one value per token to every stream, each stream gated by the sigmoid of the signed square
+    root of its RMS-normalised, ``q_weight·k_weight``-weighted dot product with its own key."""
+    hc, d, eps = text["hc_mult"], text["hidden_size"], text["rms_norm_eps"]
+    emb = engram_rows(tensors, layer, rows).flatten(1)
+    kv = emb @ tensors(f"layers.{layer}.engram.wkv.weight").t()
+    key, value = kv[:, : hc * d].view(-1, hc, d), kv[:, hc * d :]
+    w = tensors(f"layers.{layer}.engram.q_weight") * tensors(f"layers.{layer}.engram.k_weight")
+    inv = torch.rsqrt(streams.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (streams * w * key).sum(-1) * inv / math.sqrt(d)
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    return streams + gate[:, :, None] * value[:, None, :]
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+@dataclass
+class _Shared:
+    """What a forward hands from layer to layer in a shared-KV group."""
+
+    #: ``[G, head_dim]`` rotated compressed entries of the current group's KV source
+    entries: torch.Tensor | None = None
+    #: ``[G, index_head_dim]`` rotated indexer keys of the current group's KV source
+    index_keys: torch.Tensor | None = None
+    #: ``[T, G]`` bool: the compressed entries each query attends (the last index source's top-k)
+    selected: torch.Tensor | None = None
+    #: ``[T, G]`` bool: the candidate source's kept blocks
+    candidates: torch.Tensor | None = None
+    margin: float = math.inf
+    ties: int = 0
+    #: layer -> ``[T, G]`` indexer scores (after visibility and candidate masking), for diagnosis
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def note(self, values: torch.Tensor, k: int) -> None:
+        """Record how close a top-``k`` choice over ``values`` came to a different one."""
+        margin, ties = _boundary(values, k)
+        self.margin, self.ties = min(self.margin, margin), self.ties + ties
+
+
+def compress(x: torch.Tensor, tensors: _Tensors, layer: int, ratio: int, text: dict) -> torch.Tensor:
+    """``[T // ratio, head_dim]`` pre-rope latents: at ratio 1 ``norm(wkv x)`` per token, above it the
+    per-channel softmax over each group of ``ratio`` tokens' gates weighting their ``wkv x``, normed."""
+    p = f"layers.{layer}.attn.compressor."
+    kv = x @ tensors(p + "wkv.weight").t()
+    if ratio > 1:
+        groups = x.shape[0] // ratio
+        gate = (x @ tensors(p + "wgate.weight").t())[: groups * ratio].view(groups, ratio, -1)
+        kv = (kv[: groups * ratio].view(groups, ratio, -1) * torch.softmax(gate, dim=1)).sum(1)
+    return rms_norm(kv, tensors(p + "norm.weight"), text["rms_norm_eps"])
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int, shared: _Shared) -> torch.Tensor:
+    """``[T, G]`` bool: per query, the ``topk_blocks`` blocks of ``block`` entries with the highest best
+    score, the block holding its newest visible entry always among them, unreachable blocks never."""
+    t, g = scores.shape
+    nblocks = -(-g // block)
+    padded = torch.full((t, nblocks * block), -math.inf, dtype=scores.dtype)
+    padded[:, :g] = scores
+    best = padded.view(t, nblocks, block).amax(-1)
+    newest = (visible - 1).div(block, rounding_mode="floor")  # -1 when nothing is visible
+    best = torch.where(torch.arange(nblocks)[None, :] == newest[:, None], math.inf, best)
+    k = min(topk_blocks, nblocks)
+    shared.note(best, k)
+    order = best.argsort(dim=-1, descending=True, stable=True)
+    keep = torch.zeros_like(best, dtype=torch.bool)
+    keep.scatter_(1, order[:, :k], torch.ones(t, k, dtype=torch.bool))
+    keep &= best > -math.inf
+    return keep.repeat_interleave(block, dim=1)[:, :g]
+
+
+def run_indexer(
+    x: torch.Tensor, q_low: torch.Tensor, positions: torch.Tensor, tensors: _Tensors, layer: int, text: dict,
+    rope: Rope, shared: _Shared, is_candidate_source: bool, reads_candidates: bool,
+) -> None:
+    """Scores every query against the group's indexer keys and publishes its top ``index_topk``
+    visible entries (confined to the candidate blocks when this layer reads them)."""
+    keys = shared.index_keys
+    if keys is None or keys.shape[0] == 0:
+        return
+    p = f"layers.{layer}.attn.indexer."
+    nh, hd, ratio = text["index_n_heads"], text["index_head_dim"], text["compress_ratios"][layer]
+    q = (q_low @ tensors(p + "wq_b.weight").t()).view(-1, nh, hd)
+    q = rope.rotate(q, positions)
+    per_head = torch.relu(torch.einsum("thd,gd->thg", q, keys)) / math.sqrt(hd)
+    weights = (x @ tensors(p + "weights_proj.weight").t()) / math.sqrt(nh)
+    scores = (per_head * weights[:, :, None]).sum(1)  # [T, G]
+    g = keys.shape[0]
+    visible = (positions + 1).div(ratio, rounding_mode="floor")
+    scores = scores.masked_fill(torch.arange(g)[None, :] >= visible[:, None], -math.inf)
+    if is_candidate_source:
+        shared.candidates = candidate_blocks(scores, visible, text["candidate_topk_blocks"], text["candidate_block_size"], shared)
+    elif reads_candidates and shared.candidates is not None:
+        scores = scores.masked_fill(~shared.candidates, -math.inf)
+    k = min(text["index_topk"], g)
+    shared.note(scores, k)
+    order = scores.argsort(dim=-1, descending=True, stable=True)[:, :k]
+    selected = torch.zeros_like(scores, dtype=torch.bool)
+    selected.scatter_(1, order, scores.gather(1, order) > -math.inf)
+    shared.selected = selected
+    shared.scores[layer] = scores
+
+
+def attention(x: torch.Tensor, positions: torch.Tensor, tensors: _Tensors, layer: int, text: dict,
+              ropes: dict[str, Rope], shared: _Shared) -> torch.Tensor:
+    """One layer's attention on its normed input ``x`` ``[T, D]``."""
+    p = f"layers.{layer}.attn."
+    eps = text["rms_norm_eps"]
+    nh, hd, ratio = text["num_attention_heads"], text["head_dim"], text["compress_ratios"][layer]
+    rope = ropes["compress" if ratio else "main"]
+    q_low = rms_norm(x @ tensors(p + "wq_a.weight").t(), tensors(p + "q_norm.weight"), eps)
+    q = rope.rotate((q_low @ tensors(p + "wq_b.weight").t()).view(-1, nh, hd), positions)
+    kv = rope.rotate(rms_norm(x @ tensors(p + "wkv.weight").t(), tensors(p + "kv_norm.weight"), eps), positions)
+
+    t = x.shape[0]
+    i, j = positions[:, None], positions[None, :]
+    allowed = (j <= i) & (i - j < text["sliding_window"])
+    keys = kv
+    if ratio:
+        if layer in text["kv_source_layer_ids"]:
+            latent = compress(x, tensors, layer, ratio, text)
+            starts = ratio * torch.arange(latent.shape[0])
+            ik = latent @ tensors(p + "indexer.wk.weight").t()
+            ik = rms_norm(ik, tensors(p + "indexer.k_norm.weight"), eps)
+            shared.index_keys = ropes["compress"].rotate(ik, starts)
+            shared.entries = ropes["compress"].rotate(latent, starts)
+            shared.selected = None
+        if layer in text["index_source_layer_ids"]:
+            cand = text["candidate_source_layer_id"]
+            run_indexer(x, q_low, positions, tensors, layer, text, ropes["compress"], shared,
+                        is_candidate_source=layer == cand, reads_candidates=0 <= cand < layer)
+        if shared.entries is not None and shared.entries.shape[0]:
+            g = shared.entries.shape[0]
+            sel = shared.selected if shared.selected is not None else torch.zeros(t, g, dtype=torch.bool)
+            keys = torch.cat([kv, shared.entries])
+            allowed = torch.cat([allowed, sel], dim=1)
+
+    logits = torch.einsum("thd,sd->ths", q, keys) / math.sqrt(hd)
+    logits = logits.masked_fill(~allowed[:, None, :], -math.inf)
+    sink = tensors(p + "attn_sink")[None, :, None].expand(t, nh, 1)
+    full = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(full, dim=-1)[..., :-1]
+    out = torch.einsum("ths,sd->thd", probs, keys)
+    out = rope.rotate(out, positions, inverse=True)
+    groups = text["o_groups"]
+    wo_a = tensors(p + "wo_a.weight")
+    per = out.reshape(t, groups, -1)
+    wa = wo_a.view(groups, -1, per.shape[-1])
+    mid = torch.einsum("tgi,goi->tgo", per, wa).reshape(t, -1)
+    return mid @ tensors(p + "wo_b.weight").t()
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+def expert(x: torch.Tensor, tensors: _Tensors, prefix: str, limit: float | None) -> torch.Tensor:
+    """SwiGLU with the up branch clamped to ``[-limit, limit]`` and the gate branch to at most ``limit``."""
+    gate = x @ tensors(prefix + "w1.weight").t()
+    up = x @ tensors(prefix + "w3.weight").t()
+    if limit:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return (F.silu(gate) * up) @ tensors(prefix + "w2.weight").t()
+
+
+def moe(x: torch.Tensor, tensors: _Tensors, layer: int, text: dict, shared: _Shared) -> torch.Tensor:
+    """Routed experts chosen by biased scores, weighted by unbiased ones, plus the shared expert."""
+    p = f"layers.{layer}.ffn."
+    logits = x @ tensors(p + "gate.weight").t() / text["gate_temp"]
+    fn = text["scoring_func"]
+    if fn == "sqrtsoftplus":
+        scores = F.softplus(logits).sqrt()
+    elif fn == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1)
+    k = text["num_experts_per_tok"]
+    biased = scores + tensors(p + "gate.bias")
+    shared.note(biased, k)
+    chosen = biased.topk(k, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    if text["norm_topk_prob"] and k > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    weights = weights * text["routed_scaling_factor"]
+    out = torch.zeros_like(x)
+    for e in range(text["n_routed_experts"]):
+        rows, slot = torch.where(chosen == e)
+        if rows.numel():
+            y = expert(x[rows], tensors, f"{p}experts.{e}.", text["swiglu_limit"])
+            out.index_add_(0, rows, weights[rows, slot, None] * y)
+    return out + expert(x, tensors, p + "shared_experts.", text["swiglu_limit"])
+
+
+# ----------------------------------------------------------------------------- the forward
+
+
+def oracle_forward(directory: str | Path, token_ids: list[int], overrides: dict[str, torch.Tensor] | None = None,
+                   swap_collapse: bool = False) -> OracleResult:
+    """The dense forward of one sequence at positions ``0..T-1``.
+
+    ``overrides`` replaces checkpoint tensors by name; ``swap_collapse`` collapses each site with its
+    OWN ``pre`` instead of the previous site's (both exist only to show the comparison can fail)."""
+    directory = Path(directory)
+    text = _load_text_config(directory)
+    tensors = _Tensors(directory)
+    tensors.overrides = dict(overrides or {})
+    rd, maxpos = text.get("qk_rope_head_dim", 64), text.get("max_position_embeddings", 1048576)
+    main, comp = fold_rope(text)
+    ropes = {name: Rope(*rope_frequencies(params, rd, maxpos)) for name, params in (("main", main), ("compress", comp))}
+    eps, hc = text["rms_norm_eps"], text["hc_mult"]
+
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    positions = torch.arange(len(token_ids))
+    hashes = engram_hash_ids(text, token_ids, directory / "tokenizer.json") if text.get("engram_layer_ids") else {}
+    streams = tensors("embed.weight")[ids][:, None, :].expand(-1, hc, -1).clone()
+    pre = torch.zeros(len(token_ids), hc, dtype=DTYPE)
+    pre[:, 0] = 1.0
+    shared = _Shared()
+    result = OracleResult(logits=torch.empty(0))
+    for layer in range(text["num_hidden_layers"]):
+        p = f"layers.{layer}."
+        if layer in hashes:
+            streams = engram(streams, hashes[layer], tensors, layer, text)
+        a_pre, a_post, a_comb = hc_mixes(streams, tensors(p + "hc_attn_fn"), tensors(p + "hc_attn_scale"),
+                                         tensors(p + "hc_attn_base"), text)
+        x = rms_norm(hc_collapse(streams, a_pre if swap_collapse else pre), tensors(p + "attn_norm.weight"), eps)
+        result.attn_inputs[layer] = x
+        streams = hc_expand(attention(x, positions, tensors, layer, text, ropes, shared), streams, a_post, a_comb)
+        f_pre, f_post, f_comb = hc_mixes(streams, tensors(p + "hc_ffn_fn"), tensors(p + "hc_ffn_scale"),
+                                         tensors(p + "hc_ffn_base"), text)
+        x = rms_norm(hc_collapse(streams, f_pre if swap_collapse else a_pre), tensors(p + "ffn_norm.weight"), eps)
+        streams = hc_expand(moe(x, tensors, layer, text, shared), streams, f_post, f_comb)
+        result.streams[layer] = streams
+        pre = f_pre
+    h = rms_norm(hc_collapse(streams, pre), tensors("norm.weight"), eps)
+    result.logits = h @ tensors("head.weight").t()
+    result.min_margin, result.exact_ties = shared.margin, shared.ties
+    result.index_scores = shared.scores
+    return result
+
+
+def oracle_logits(directory: str | Path, token_ids: list[int]) -> torch.Tensor:
+    """``[T, vocab]`` float64 logits of ``token_ids`` (one sequence from position 0), dense and cache-free."""
+    return oracle_forward(directory, token_ids).logits
