@@ -24,7 +24,6 @@ from deepinfer.model.engram import (
     compressed_vocabulary,
     is_prime,
     next_prime,
-    ngram_windows,
 )
 from deepinfer.model.linear import PLAIN
 from deepinfer_conformance.ops import run_spec
@@ -147,18 +146,9 @@ def test_hash_wraps_and_floors_like_int64():
     assert bool(((got - offsets) >= 0).all())
 
 
-def test_windows_pad_the_look_back_at_the_sequence_start_and_at_blocks():
-    w = ngram_windows(np.array([5, 6, 7, 8, 9]), pad_id=0, max_ngram_size=4)
-    assert w.tolist() == [[5, 0, 0, 0], [6, 5, 0, 0], [7, 6, 5, 0], [8, 7, 6, 5], [9, 8, 7, 6]]
-    blocked = np.array([False, False, True, False, False])
-    w = ngram_windows(np.array([5, 6, 7, 8, 9]), pad_id=1, max_ngram_size=3, blocked=blocked)
-    assert w.tolist() == [[5, 1, 1], [6, 5, 1], [1, 1, 1], [8, 1, 1], [9, 8, 1]]
-    assert ngram_windows(np.array([], dtype=np.int64), 0, 4).shape == (0, 4)
-
-
 def test_hasher_gives_each_layer_ids_inside_its_columns():
     layout = EngramLayout.from_config(_text_config())
-    windows = ngram_windows(np.random.default_rng(0).integers(0, 99092, 40), pad_id=2, max_ngram_size=4)
+    windows = torch.from_numpy(np.random.default_rng(0).integers(0, 99092, (40, 4)))
     ids = EngramHasher(layout)(K, windows)
     assert set(ids) == {1, 14}
     for layer in layout.layers:

@@ -147,6 +147,13 @@ def test_engram_hashes_follow_the_ngrams_across_steps(model):
     finally:
         model.hasher = original
     prefill, step = hashes
+    # the windows themselves: the token first, then the ones before it, the pad id past the sequence start
+    cache = ContiguousCache(model.config, 1, 64, dtype=torch.float32)
+    batch = Batch.build([[5, 6, 7, 9]], [cache.allocate()], [0])
+    cache.begin_forward(batch)
+    m, pad = model.token_map, model.pad_id
+    want = [[m[5], pad, pad, pad], [m[6], m[5], pad, pad], [m[7], m[6], m[5], pad], [m[9], m[7], m[6], m[5]]]
+    assert model.ngrams(step_inputs(batch, cache, "cpu"), cache).tolist() == [[int(t) for t in row] for row in want]
     h = model.config.v41.engram_n_heads
     assert torch.equal(prefill[3, : 2 * h], prefill[7, : 2 * h])  # bigram (7, 9) and trigram (6, 7, 9) alike
     assert not torch.equal(prefill[3, 2 * h :], prefill[7, 2 * h :])  # the 4-grams differ in their first token

@@ -128,13 +128,17 @@ class SharedAttention(LatentAttention):
         self.layer = layer
         self.compressor: SharedCompressor | None = None
         self.indexer: SharedIndexer | None = None
+        #: how many of the fused projection's outputs after ``wq_a`` and ``wkv`` are the compressor's
+        self.compressor_outputs = 0
         parts = [
             ProjectionPart(self, "wq_a", c.q_lora_rank, plan.storage(f"{role}.wq_a")),
             ProjectionPart(self, "wkv", c.head_dim, plan.storage(f"{role}.wkv")),
         ]
         if layer.owns_kv:
             self.compressor = self.child("compressor", SharedCompressor(c, layer.compress_ratio, dtype, device, plan, f"{role}.compressor"))
-            parts += self.compressor.projection_parts()
+            compressor_parts = self.compressor.projection_parts()
+            self.compressor_outputs = len(compressor_parts)
+            parts += compressor_parts
         if layer.runs_indexer:
             self.indexer = self.child("indexer", SharedIndexer(c, layer, dtype, device, plan, f"{role}.indexer"))
             parts += self.indexer.projection_parts()
@@ -154,7 +158,7 @@ class SharedAttention(LatentAttention):
         if self.layer.compress_ratio:
             rest = projected[2:]
             if self.compressor is not None:
-                n_comp = len(self.compressor.projection_parts())
+                n_comp = self.compressor_outputs
                 latent = self.compressor(k, rest[:n_comp], meta, cache, i)
                 rest = rest[n_comp:]
                 self.indexer.publish_keys(k, latent, meta, cache, i)

@@ -10,8 +10,6 @@ attention. The math is the reference ops' (``Kernels.engram_hash``,
 - ``EngramLayout.from_config(text_config)``: per layer its primes, column
   offsets, multipliers and row count, checked against ``engram_num_embeddings``.
 - ``compressed_vocabulary(tokenizer, expected_size)``: token id -> compressed id.
-- ``ngram_windows(compressed, pad_id, n)``: one sequence's ``[T, N]`` windows
-  (look-backs past the start, or through a blocked token, are the pad id).
 - ``EngramHasher(layout, device)``: windows -> each layer's ``[T, C]`` hash ids.
 - ``EngramTable``: one table (FP8 codes + UE8M0 scales, or unquantized), held in
   memory or memory-mapped from a safetensors file at the tensor's byte offsets
@@ -19,28 +17,21 @@ attention. The math is the reference ops' (``Kernels.engram_hash``,
 - ``Engram``: one layer's module (a ``ParamTree``): ``wkv.weight``, ``q_weight``,
   ``k_weight`` and the table ``embed.weight`` / ``embed.scale``.
 
-How a model wires it (per Engram layer ``i``)::
-
-    layout = EngramLayout.from_config(text_config)
-    lookup, _ = compressed_vocabulary(tokenizer, text_config.engram_compressed_vocab_size)
-    pad = int(lookup[text_config.engram_pad_token_id])
-    table = EngramTable.from_catalog(catalog, i)              # catalog: read_catalog(*shard_files(model_dir))
-    engram = Engram(text_config, i, dtype, device, table=table, wkv_storage=plan.storage("engram.wkv"))
-    # load engram.named_parameters() under "layers.{i}.engram." as every other weight: with a table given,
-    # they are wkv.*, q_weight and k_weight only; the loader must skip layers.{i}.engram.embed.* (TABLE_KEYS)
-    hasher = EngramHasher(layout, device)                     # once per model
-    windows = ngram_windows(lookup[token_ids], pad, layout.max_ngram_size)   # per sequence, on the host
-    streams = engram(k, streams, hasher(k, windows)[i])       # before layer i's attention
+How ``DeepseekV41Model`` wires it: ``EngramTable.from_catalog`` maps each
+layer's table when the model is built (``checkpoint_kwargs``), the loader skips
+the tables' tensors (``TABLE_KEYS``), ``bind_engram`` builds the compressed
+vocabulary and one ``EngramHasher``, and each forward reads every token's
+``[T, N]`` window of compressed ids from the cache's token ring
+(``DeepseekV41Model.ngrams``), hashes it once for all Engram layers and hands
+each layer its ids (``Engram.__call__`` before the layer's attention).
 
 With ``table=None`` the module allocates the table as ordinary parameters
 (``embed.weight`` and, for FP8, ``embed.scale``) that the loader fills: for
 small models and tests, not for the release's ~100 GB tables.
 
 Where a table is memory-mapped on the host and the model runs on an
-accelerator, hash ids on the accelerator are first copied to the host (a
-synchronisation); the host can compute the ids itself (they depend only on
-token ids it already has), so a runner passes host ids, or gathers the rows
-ahead of the step and calls ``Engram.project`` with them.
+accelerator, the lookup copies its hash ids to the host (a synchronisation),
+so the runner runs such a model eagerly (``DeepseekV41Model.graph_blocker``).
 """
 
 from __future__ import annotations
@@ -262,26 +253,6 @@ def compressed_vocabulary(tokenizer: Any, expected_size: int | None = None) -> t
             "different checkpoints"
         )
     return lookup, size
-
-
-def ngram_windows(
-    compressed: np.ndarray | torch.Tensor, pad_id: int, max_ngram_size: int, blocked: np.ndarray | torch.Tensor | None = None
-) -> torch.Tensor:
-    """``[L, N]`` int64 windows of one sequence of ``L`` compressed ids: ``out[p, s]`` is the id ``s``
-    positions back, or ``pad_id`` once the look-back passes the sequence start or reaches a ``blocked``
-    position (``[L]`` bool; the blocked position and everything before it are padded)."""
-    ids = torch.as_tensor(compressed, dtype=torch.int64).cpu()
-    length = ids.shape[0]
-    stop = torch.zeros(length, dtype=torch.bool) if blocked is None else torch.as_tensor(blocked, dtype=torch.bool).cpu()
-    out = torch.full((length, max_ngram_size), pad_id, dtype=torch.int64)
-    open_ = torch.ones(length, dtype=torch.bool)
-    for s in range(max_ngram_size):
-        back = torch.arange(length) - s
-        inside = back >= 0
-        open_ = open_ & inside
-        open_[inside] &= ~stop[back[inside]]
-        out[:, s] = torch.where(open_, ids[back.clamp(min=0)], out[:, s])
-    return out
 
 
 class EngramHasher:

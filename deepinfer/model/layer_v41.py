@@ -15,6 +15,7 @@ from deepinfer_interfaces import Kernels
 
 from .attention_v41 import SharedAttention, SharedIndices
 from .cache import ModelCache
+from .cache_spec import v41_kind
 from .config import ModelConfig
 from .config_v41_text import V41Layer
 from .engram import Engram, EngramTable
@@ -34,7 +35,8 @@ class DecoderLayerV41(ParamTree):
         super().__init__(device)
         self.index = layer.index
         self.role = layer
-        self.layer_type = None  # set by the model: this layer's cache kind
+        #: this layer's cache kind (its metadata's key)
+        self.layer_type = v41_kind(layer)
         self.eps = config.rms_norm_eps
         self.attn = self.child("attn", SharedAttention(config, layer, dtype, device, plan))
         self.ffn = self.child("ffn", MoE(config, False, dtype, device, plan, sharding=sharding, layer=layer.index))

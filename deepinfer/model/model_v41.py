@@ -14,7 +14,6 @@ from deepinfer_interfaces import Kernels
 
 from .attention_v41 import SharedIndices
 from .cache import ModelCache
-from .cache_spec import v41_kind
 from .config import ModelConfig
 from .engram import TABLE_KEYS, EngramHasher, EngramLayout, EngramTable, compressed_vocabulary
 from .inputs import ForwardInputs
@@ -53,7 +52,6 @@ class DeepseekV41Model(CausalLM):
             DecoderLayerV41(c, role, dtype, device, self.plan, sharding, tables.get(role.index)) for role in c.v41.layers()
         ]
         for layer in self.layers:
-            layer.layer_type = v41_kind(layer.role)
             self.body.child(f"layers.{layer.index}", layer)
         self.norm = self.body.param("norm.weight", (c.hidden_size,), torch.float32)
         self.engram_layers = [layer.engram for layer in self.layers if layer.engram is not None]
