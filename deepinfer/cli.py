@@ -1,12 +1,15 @@
 """The ``deepinfer`` command line: ``backends``, ``conformance``, ``generate``, ``inspect``.
 
-User errors print one line and exit with status 2, never a traceback.
+User errors print one line and exit with status 2, never a traceback. A
+closed pipe (``deepinfer backends --json | head -1``) ends quietly with the
+conventional SIGPIPE status, 141.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .config import load_config
@@ -323,6 +326,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+#: exit status of a command whose output pipe closed (128 + SIGPIPE), as the shell reports it
+CLOSED_PIPE_STATUS = 141
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away: point stdout at devnull so the interpreter's final flush stays quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return CLOSED_PIPE_STATUS
 
 
 if __name__ == "__main__":

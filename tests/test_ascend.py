@@ -178,6 +178,8 @@ def test_hccl_moe_communicator_falls_back_to_the_contract_path_without_torch_npu
 
 
 def test_conformance_interpret_passes_triton_ops_and_reports_torch_npu_ops_not_supported(tmp_path):
+    from deepinfer_conformance.ops import INTERPRET_LIMIT_NOTE
+
     report_path = tmp_path / "ascend.json"
     proc = _run(["-m", "deepinfer.cli", "conformance", "--backend", "ascend", "--interpret", "--report", str(report_path)],
                 interpret=True)
@@ -186,11 +188,13 @@ def test_conformance_interpret_passes_triton_ops_and_reports_torch_npu_ops_not_s
     assert (report["backend"], report["kernels"]) == ("ascend", "ascend")
     assert report["summary"].get("fail", 0) == 0 and report["summary"].get("error", 0) == 0
     results = report["results"]
+    # the real-shape cases are left to the device under the interpreter (INTERPRET_MAX_ELEMENTS)
+    ran = [r for r in results if not (r["status"] == "not_supported" and INTERPRET_LIMIT_NOTE in r["message"])]
     for op in sorted(TRITON_OPS):
-        rows = [r for r in results if r["op"] == op]
+        rows = [r for r in ran if r["op"] == op]
         assert rows and all(r["status"] == "pass" for r in rows), [(r["case"], r["dtype"], r["status"], r["message"]) for r in rows]
     for op in sorted(NPU_OPS):
-        skipped = [r for r in results if r["op"] == op and r["status"] == "not_supported"]
+        skipped = [r for r in ran if r["op"] == op and r["status"] == "not_supported"]
         assert skipped, f"{op} ran somewhere without torch_npu"
         assert all(r["message"].startswith("needs torch_npu:") and "torch_npu is not installed" in r["message"] for r in skipped)
         assert all(r["status"] in ("pass", "not_supported") for r in results if r["op"] == op)

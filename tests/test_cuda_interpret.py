@@ -68,6 +68,7 @@ def test_conformance_interpret_passes_every_own_op(tmp_path: Path) -> None:
     assert report_path.exists(), proc.stderr
     report = json.loads(report_path.read_text())
     assert report["backend"] == "cuda" and report["kernels"] == "cuda"
+    from deepinfer_conformance.ops import INTERPRET_LIMIT_NOTE
     from deepinfer_cuda.kernels import CUDAKernels
 
     overrides = set(CUDAKernels.overrides())
@@ -75,8 +76,11 @@ def test_conformance_interpret_passes_every_own_op(tmp_path: Path) -> None:
     for op in sorted(overrides):
         rows = [r for r in report["results"] if r["op"] == op]
         assert rows, f"no conformance results for {op}"
-        bad = [(r["case"], r["dtype"], r["status"], r["message"]) for r in rows if r["status"] != "pass"]
+        # the real-shape cases are left to the device (INTERPRET_MAX_ELEMENTS); every other case passes
+        bad = [(r["case"], r["dtype"], r["status"], r["message"]) for r in rows
+               if r["status"] != "pass" and not (r["status"] == "not_supported" and INTERPRET_LIMIT_NOTE in r["message"])]
         assert not bad, f"{op}: {bad}"
+        assert any(r["status"] == "pass" for r in rows), f"{op}: no case ran under the interpreter"
     dtypes = {r["dtype"] for r in report["results"] if r["op"] == "rms_norm"}
     assert dtypes == {"float32", "bfloat16", "float16"}
 

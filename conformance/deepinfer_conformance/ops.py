@@ -8,6 +8,7 @@ is defined by fp32 math), so only the backend's own arithmetic is measured.
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,14 @@ from .compare import compare
 from .results import CaseResult
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
+
+
+@dataclass
+class OpCaseResult(CaseResult):
+    """An op parity result: a ``CaseResult`` with the relative RMS error and the spec's limit on it."""
+
+    rms_rel_err: float | None = None
+    rms_limit: float | None = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -49,14 +58,36 @@ def override_note(spec: OpSpec, dtype: torch.dtype) -> str:
     return f"tolerance override atol={tol.atol:g} rtol={tol.rtol:g}: {spec.tolerance_reason}"
 
 
+#: under ``--interpret`` the cases with more input elements than this (the real-shape ones) are reported
+#: ``not_supported``: Triton's CPU interpreter runs them for many minutes; the device runs them in milliseconds
+INTERPRET_MAX_ELEMENTS = 150_000
+#: what the message of a case left out for that reason says
+INTERPRET_LIMIT_NOTE = "run under Triton's interpreter"
+
+
+def input_elements(kwargs: dict[str, Any]) -> int:
+    """Elements in a case's tensor arguments (quantized weights counted by codes and scales)."""
+    total = 0
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel()
+        elif isinstance(value, QuantizedWeight):
+            total += value.codes.numel() + value.scales.numel()
+        elif isinstance(value, (list, tuple)):
+            total += input_elements(dict(enumerate(value)))
+    return total
+
+
 def selected_specs(patterns: list[str] | None) -> list[OpSpec]:
     """Specs whose op name matches any glob in ``patterns`` (all when none given)."""
     pats = patterns or ["*"]
     return [SPECS[name] for name in sorted(SPECS) if any(fnmatch.fnmatch(name, p) for p in pats)]
 
 
-def run_spec(spec: OpSpec, kernels: Kernels, device: Device, reference: Kernels | None = None) -> list[CaseResult]:
-    """Every case of ``spec`` in every dtype it lists."""
+def run_spec(
+    spec: OpSpec, kernels: Kernels, device: Device, reference: Kernels | None = None, max_elements: int | None = None,
+) -> list[CaseResult]:
+    """Every case of ``spec`` in every dtype it lists (``max_elements``: larger cases are not run)."""
     reference = reference or Kernels()
     supported = set(device.capabilities().dtypes)
     results: list[CaseResult] = []
@@ -65,11 +96,21 @@ def run_spec(spec: OpSpec, kernels: Kernels, device: Device, reference: Kernels 
     for dtype in spec.dtypes:
         tol = None if spec.exact else spec.tolerance(dtype)
         tol_fields = {} if tol is None else {"atol": tol.atol, "rtol": tol.rtol}
+        rms_limit = spec.rms_limit(dtype)
         override = override_note(spec, dtype)
         for case in cases:
-            base = CaseResult("ops", spec.op, case.name, dtype_name(dtype), "pass", **tol_fields)
+            if case.dtypes is not None and dtype not in case.dtypes:
+                continue
+            base = OpCaseResult("ops", spec.op, case.name, dtype_name(dtype), "pass", **tol_fields, rms_limit=rms_limit)
             if dtype not in supported:
                 base.status, base.message = "not_supported", f"device does not support {dtype_name(dtype)}"
+                results.append(base)
+                continue
+            size = input_elements(case.kwargs)
+            if max_elements is not None and size > max_elements:
+                base.status = "not_supported"
+                base.message = (f"{size} input elements, above the {max_elements} {INTERPRET_LIMIT_NOTE}; "
+                                "run it on the device, or raise --interpret-max-elements")
                 results.append(base)
                 continue
             rounded = _prepare(spec, case.kwargs, dtype)
@@ -93,22 +134,25 @@ def run_spec(spec: OpSpec, kernels: Kernels, device: Device, reference: Kernels 
                 results.append(base)
                 continue
             try:
-                cmp = compare(got, expected, tol)
+                cmp = compare(got, expected, tol, rms_limit)
             except Exception as exc:
                 base.status, base.message = "error", first_line(exc)
                 results.append(base)
                 continue
             base.status, base.message = cmp.status, "; ".join(m for m in (cmp.message, override) if m)
             base.max_abs_err, base.max_rel_err, base.frac_out_of_tol = cmp.max_abs_err, cmp.max_rel_err, cmp.frac_out_of_tol
+            base.rms_rel_err = cmp.rms_rel_err
             results.append(base)
     return results
 
 
-def run_ops(kernels: Kernels, device: Device, patterns: list[str] | None = None) -> list[CaseResult]:
+def run_ops(
+    kernels: Kernels, device: Device, patterns: list[str] | None = None, max_elements: int | None = None,
+) -> list[CaseResult]:
     """Op parity over every selected spec, on the kernel set's conformance view."""
     kernels = kernels.for_conformance()
     reference = Kernels()
     out: list[CaseResult] = []
     for spec in selected_specs(patterns):
-        out.extend(run_spec(spec, kernels, device, reference))
+        out.extend(run_spec(spec, kernels, device, reference, max_elements))
     return out

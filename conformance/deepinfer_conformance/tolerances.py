@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer_interfaces.specs import SPECS, TOLERANCES, WARN_FACTOR
+from deepinfer_interfaces.specs import RMS_LIMITS, SPECS, TOLERANCES, WARN_FACTOR
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,21 @@ def render() -> str:
                 lines.append(f"| {spec.op} | {_NAMES.get(d, str(d))} | {t.atol:g} | {t.rtol:g} | {spec.tolerance_reason} |")
     else:
         lines.append("none: every op spec uses the table above.")
+    lines += [
+        "",
+        (
+            "Relative RMS error, besides the per-element bound: `rms(got − expected) / max(rms(expected), atol)` over the "
+            "finite elements of each output; above the limit the case fails. Default limits:"
+        ),
+        "",
+        "| dtype | limit |",
+        "|---|---|",
+    ]
+    lines += [f"| {_NAMES[d]} | {v:g} |" for d, v in RMS_LIMITS.items()]
+    lines += ["", "Op specs with a limit (the report's `rms_limit`):", "", "| op | float32 | float16 | bfloat16 | reason |", "|---|---|---|---|---|"]
+    for spec in sorted((s for s in SPECS.values() if s.rms_limits), key=lambda s: s.op):
+        cells = " | ".join(f"{spec.rms_limits[d]:g}" if d in spec.rms_limits else "-" for d in (torch.float32, torch.float16, torch.bfloat16))
+        lines.append(f"| {spec.op} | {cells} | {spec.rms_reason} |")
     exact = sorted(s.op for s in SPECS.values() if s.exact)
     lines += ["", f"Compared exactly (token ids, masks, cache rows): {', '.join(f'`{o}`' for o in exact)}."]
     lines += [

@@ -21,7 +21,8 @@ class SamplingOps:
     ) -> torch.Tensor:
         """One token id per row of ``logits`` ``[B, V]``.
 
-        Rows with ``temperature == 0`` take the argmax of the logits. Other rows
+        Rows with ``temperature == 0`` take the argmax of the logits (the lowest
+        token id among equal maxima). Other rows
         divide by their temperature, keep the ``top_k`` most likely tokens
         (``top_k <= 0`` keeps all), then the smallest set whose renormalised mass
         reaches ``top_p`` (the most likely token always stays), then tokens whose
@@ -52,7 +53,8 @@ class SamplingOps:
     ) -> torch.Tensor:
         """``[B, V]`` fp32: the distribution ``sample`` draws each row from — the temperature-scaled
         softmax restricted to the tokens top-k, top-p and min-p keep, renormalised; a one-hot argmax
-        for ``temperature == 0``. What rejection sampling compares drafted tokens against."""
+        for ``temperature == 0`` (at the lowest token id among equal maxima). What rejection sampling
+        compares drafted tokens against."""
         lf = logits.float()
         if lf.shape[0] == 0:
             return torch.empty_like(lf)

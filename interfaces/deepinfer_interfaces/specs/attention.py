@@ -1,9 +1,13 @@
 """Sparse-attention cases: gathered windows, -1 padding, windows longer than the
-sequence, fully masked rows (sink only), dominant sinks, no candidates, empty batch."""
+sequence, fully masked rows (sink only), dominant sinks, no candidates, repeated rows,
+one token, one head, V4-Flash's shapes (64 heads of 512, a window of 128 plus 512
+indexer picks) and a long index list; empty batch. A relative-RMS limit catches
+sums kept in 16 bits over the long lists."""
 
 import torch
 
-from .spec import Case, OpSpec, randn, register, seeded
+from .shapes import HEAD_DIM, HEADS, INDEX_TOPK, WINDOW
+from .spec import RMS_LIMITS, Case, OpSpec, randn, register, seeded
 
 
 def _window(positions: list[int], width: int) -> torch.Tensor:
@@ -28,7 +32,35 @@ def _cases() -> list[Case]:
         Case("large_sinks", dict(q=randn(3, 2, 16, gen=g), kv=randn(8, 16, gen=g), indices=_window([7, 5, 2], 4), sinks=torch.tensor([6.0, -6.0]), scale=0.25)),
         Case("no_candidates", dict(q=randn(3, 2, 16, gen=g), kv=randn(4, 16, gen=g), indices=torch.empty(3, 0, dtype=torch.int64), sinks=randn(2, gen=g), scale=0.25)),
         Case("empty_batch", dict(q=torch.empty(0, 2, 16), kv=randn(4, 16, gen=g), indices=torch.empty(0, 5, dtype=torch.int64), sinks=randn(2, gen=g), scale=0.25)),
+        Case("repeated_rows_count_twice", dict(q=randn(2, 2, d, gen=g), kv=randn(6, d, gen=g), indices=torch.tensor([[1, 1, 1, 4], [0, 2, 2, -1]]), sinks=randn(2, gen=g), scale=scale)),
+        Case("padding_before_valid_rows", dict(q=randn(2, 2, d, gen=g), kv=randn(6, d, gen=g), indices=torch.tensor([[-1, -1, 3, 5], [-1, 2, -1, 0]]), sinks=randn(2, gen=g), scale=scale)),
+        Case("one_token_one_head", dict(q=randn(1, 1, d, gen=g), kv=randn(5, d, gen=g), indices=torch.tensor([[4, 3, 2, -1]]), sinks=randn(1, gen=g), scale=scale)),
+        *_real_cases(g),
     ]
 
 
-register(OpSpec(op="sparse_attention", cases=_cases, cast=("q", "kv")))
+def _real(g: torch.Generator, positions: list[int], picks: int, pool: int) -> dict:
+    """V4-Flash's attention: 64 heads of 512 over its window of 128 (newest first, -1 before the
+    start) then ``picks`` compressed rows (indexer picks, -1 padded past the pool)."""
+    window = _window(positions, WINDOW)
+    chosen = torch.stack([torch.randperm(pool, generator=g)[:picks] for _ in positions]) + WINDOW * 2 if picks else window[:, :0]
+    if picks:
+        chosen[0, picks - picks // 4 :] = -1
+    # unit-RMS logits, as the model's normed q and kv give
+    return dict(q=randn(len(positions), HEADS, HEAD_DIM, gen=g), kv=randn(WINDOW * 2 + pool, HEAD_DIM, gen=g),
+                indices=torch.cat([window, chosen], dim=1), sinks=randn(HEADS, gen=g), scale=HEAD_DIM**-0.5)
+
+
+def _real_cases(g: torch.Generator) -> list[Case]:
+    return [
+        Case("one_token_decode_h64_d512_window128", _real(g, [200], 0, 0)),
+        Case("one_token_early_h8_d512_window_padded", dict(_real(g, [5], 0, 0), q=randn(1, 8, HEAD_DIM, gen=g), sinks=randn(8, gen=g))),
+        Case("t1_h64_d512_window128_topk512", _real(g, [255], INDEX_TOPK, 1024)),
+        Case("t1_h16_d512_long_list_2176", dict(_real(g, [255], 2048, 2048), q=randn(1, 16, HEAD_DIM, gen=g), sinks=randn(16, gen=g))),
+    ]
+
+
+register(OpSpec(
+    op="sparse_attention", cases=_cases, cast=("q", "kv"), rms_limits=RMS_LIMITS,
+    rms_reason="softmax-weighted sums over up to 2176 rows: a kernel that keeps its output accumulator in bf16 between key tiles loses several roundings' worth",
+))

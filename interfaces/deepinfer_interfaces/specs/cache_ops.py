@@ -1,7 +1,9 @@
-"""Cache-write cases: distinct slots, -1 padded slots, multi-dim rows, all skipped, empty batch."""
+"""Cache-write cases: distinct slots, -1 padded slots (never written, not even to the pool's last row),
+multi-dim rows, all skipped, one row, V4-Flash's K=V rows of 512 into a pool of a window of 128, empty batch."""
 
 import torch
 
+from .shapes import HEAD_DIM, WINDOW
 from .spec import Case, OpSpec, randn, register, seeded
 
 
@@ -17,6 +19,10 @@ def _cases() -> list[Case]:
         Case("rows_are_matrices", _case(g, (6, 2, 4), [5, 1])),
         Case("all_slots_minus_one", _case(g, (5, 4), [-1, -1])),
         Case("empty_batch", _case(g, (5, 4), [])),
+        Case("minus_one_leaves_last_row", _case(g, (8, 4), [-1, 2, -1])),
+        Case("one_row", _case(g, (6, 4), [5])),
+        Case("one_row_minus_one", _case(g, (6, 4), [-1])),
+        Case("window128_d512_decode_rows", _case(g, (WINDOW, HEAD_DIM), [127, -1, 0, 64])),
     ]
 
 

@@ -9,7 +9,7 @@ dtype here, so both compare exactly; the injection is compared with tolerances.
 
 import torch
 
-from .spec import Case, OpSpec, randn, register, seeded
+from .spec import RMS_LIMITS, Case, OpSpec, randn, register, seeded
 
 #: DeepSeek V4.1's Engram geometry: 2- to 4-grams, 8 heads, 256 channels, 99092 compressed tokens
 V41_N, V41_HEADS, V41_HEAD_DIM, V41_VOCAB = 4, 8, 256, 99092
@@ -100,4 +100,7 @@ def _inject_cases() -> list[Case]:
 
 register(OpSpec(op="engram_hash", cases=_hash_cases, cast=(), dtypes=(torch.float32,), exact=True))
 register(OpSpec(op="engram_lookup", cases=_lookup_cases, cast=(), dtypes=(torch.float32,), exact=True))
-register(OpSpec(op="engram_inject", cases=_inject_cases, cast=("streams", "key", "value", "weight")))
+register(OpSpec(
+    op="engram_inject", cases=_inject_cases, cast=("streams", "key", "value", "weight"), rms_limits=RMS_LIMITS,
+    rms_reason="two mean squares and a dot over D = 5120 per stream: kept in bf16 they move every gate",
+))

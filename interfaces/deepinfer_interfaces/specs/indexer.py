@@ -1,11 +1,29 @@
 """Lightning-indexer cases: scores with -1 padded and fully invalid rows; top-k with
 padding, k beyond the candidates and invalid picks; candidate blocks (V4.1's two-level
 top-k) with ties, the pinned newest block, a partial last block, nothing visible, rows
-of -inf, every block kept, and a real-shape row; empty batches."""
+of -inf, every block kept, and a real-shape row; empty batches. Every op has one-token
+cases and V4-Flash's sizes (64 indexer heads of 128, 512 picks); scores get a long
+candidate list and a relative-RMS limit, top-k equal scores (their column order is the rule)."""
 
 import torch
 
-from .spec import Case, OpSpec, randn, register, seeded
+from .shapes import INDEX_HEAD_DIM, INDEX_HEADS, INDEX_TOPK
+from .spec import RMS_LIMITS, Case, OpSpec, randn, register, seeded
+
+
+NEG = float("-inf")
+
+
+def _rows(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def _real_scores(g: torch.Generator, t: int, pool: int, k: int) -> dict:
+    """V4-Flash's indexer: 64 heads of 128 over ``k`` candidates of a pool (the last quarter of row 0 -1)."""
+    idx = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(t)])
+    idx[0, k - k // 4 :] = -1
+    return dict(q=randn(t, INDEX_HEADS, INDEX_HEAD_DIM, gen=g), weights=randn(t, INDEX_HEADS, gen=g, scale=INDEX_HEADS**-0.5),
+                keys=randn(pool, INDEX_HEAD_DIM, gen=g), indices=idx, scale=INDEX_HEAD_DIM**-0.5)
 
 
 def _score_cases() -> list[Case]:
@@ -18,6 +36,8 @@ def _score_cases() -> list[Case]:
         Case("single_head", dict(q=randn(3, 1, 8, gen=g), weights=randn(3, 1, gen=g), keys=randn(5, 8, gen=g), indices=torch.randint(0, 5, (3, 5), generator=g), scale=8**-0.5)),
         Case("no_candidates", dict(q=randn(2, 2, 8, gen=g), weights=randn(2, 2, gen=g), keys=randn(3, 8, gen=g), indices=torch.empty(2, 0, dtype=torch.int64), scale=1.0)),
         Case("empty_batch", dict(q=torch.empty(0, 2, 8), weights=torch.empty(0, 2), keys=randn(3, 8, gen=g), indices=torch.empty(0, 4, dtype=torch.int64), scale=1.0)),
+        Case("one_token_h64_d128", _real_scores(g, 1, 700, 600)),
+        Case("t2_h64_d128_long_list_4096", _real_scores(g, 2, 5000, 4096)),
     ]
 
 
@@ -38,10 +58,17 @@ def _topk_cases() -> list[Case]:
         Case("k_beyond_candidates", dict(scores=_distinct_scores(g, 2, 3), values=torch.randint(0, 50, (2, 3), generator=g), k=5)),
         Case("no_candidates", dict(scores=torch.empty(3, 0), values=torch.empty(3, 0, dtype=torch.int64), k=2)),
         Case("empty_batch", dict(scores=torch.empty(0, 4), values=torch.empty(0, 4, dtype=torch.int64), k=2)),
+        Case("equal_scores_in_column_order", dict(scores=_few_values(g, 4, 16, 4), values=torch.randperm(64, generator=g).view(4, 16), k=6)),
+        Case("ties_across_the_cut_and_with_inf", dict(scores=_rows([2, 1, 2, NEG, 1, 2, 1, NEG], [NEG, 3, NEG, 3, 0, 3, 3, NEG]), values=torch.arange(16).view(2, 8) * 10, k=5)),
+        Case("one_row", dict(scores=_few_values(g, 1, 9, 3), values=torch.randint(0, 99, (1, 9), generator=g), k=4)),
+        Case("one_token_n4096_pick512_ties", dict(scores=_few_values(g, 1, 4096, 300), values=torch.randperm(4096, generator=g)[None], k=INDEX_TOPK)),
+        Case("t2_n2048_pick512_random", dict(scores=randn(2, 2048, gen=g), values=torch.randperm(4096, generator=g).view(2, 2048), k=INDEX_TOPK)),
     ]
 
 
-NEG = float("-inf")
+def _few_values(g: torch.Generator, t: int, k: int, levels: int) -> torch.Tensor:
+    """Integer scores from ``levels`` values (exact in every float dtype): equal scores everywhere."""
+    return torch.randint(0, levels, (t, k), generator=g).float() - levels // 2
 
 
 def _visible_only(scores: torch.Tensor, visible: list[int]) -> dict:
@@ -49,10 +76,6 @@ def _visible_only(scores: torch.Tensor, visible: list[int]) -> dict:
     vis = torch.tensor(visible, dtype=torch.int64)
     cols = torch.arange(scores.shape[1])
     return dict(scores=scores.masked_fill(cols[None, :] >= vis[:, None], NEG), visible=vis)
-
-
-def _rows(*rows: list[float]) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float32)
 
 
 def _candidate_cases() -> list[Case]:
@@ -82,11 +105,15 @@ def _candidate_cases() -> list[Case]:
         Case("topk_beyond_blocks_is_dense", dict(_visible_only(holes, [24, 22, 9]), topk_blocks=8, block_size=4)),
         Case("one_token", dict(_visible_only(torch.randint(-5, 5, (1, 29), generator=g).float(), [26]), topk_blocks=2, block_size=4)),
         Case("t3_n3000_block8_top64", dict(_visible_only(real, [3000, 2500, 1001]), topk_blocks=64, block_size=8)),
+        Case("one_token_n4096_block64_top8_ties", dict(_visible_only(torch.randint(0, 4, (1, 4096), generator=g).float(), [4000]), topk_blocks=8, block_size=64)),
         Case("no_entries", dict(scores=torch.empty(2, 0), visible=torch.zeros(2, dtype=torch.int64), topk_blocks=4, block_size=8)),
         Case("empty_batch", dict(scores=torch.empty(0, 16), visible=torch.empty(0, dtype=torch.int64), topk_blocks=2, block_size=8)),
     ]
 
 
-register(OpSpec(op="indexer_scores", cases=_score_cases, cast=("q", "weights", "keys")))
+register(OpSpec(
+    op="indexer_scores", cases=_score_cases, cast=("q", "weights", "keys"), rms_limits=RMS_LIMITS,
+    rms_reason="64 heads of 128-long dots per candidate, up to 4096 candidates: the fp32 scores a kernel keeps in bf16 lose their ranking",
+))
 register(OpSpec(op="topk_select", cases=_topk_cases, cast=("scores",), exact=True))
 register(OpSpec(op="candidate_blocks", cases=_candidate_cases, cast=("scores",), exact=True))

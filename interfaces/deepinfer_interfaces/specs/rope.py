@@ -1,7 +1,9 @@
-"""Partial interleaved RoPE cases: forward and inverse, 2-D and 3-D, large positions."""
+"""Partial interleaved RoPE cases: forward and inverse, 2-D and 3-D, large positions, no rope channels,
+one token, and V4-Flash's attention (64 heads of 512, the last 64 rotated)."""
 
 import torch
 
+from .shapes import HEAD_DIM, HEADS, ROPE_DIM
 from .spec import Case, OpSpec, randn, register, seeded
 
 
@@ -22,6 +24,12 @@ def _cases() -> list[Case]:
         pos = torch.tensor([0, 4095, 65535])
         c, s = angles(pos, 64)
         out.append(Case(f"t3_d64_full_rope_far_positions_{tag}", dict(x=randn(3, 64, gen=g), cos=c, sin=s, inverse=inverse)))
+        c, s = angles(torch.tensor([37]), ROPE_DIM)
+        out.append(Case(f"one_token_h64_d512_r64_{tag}", dict(x=randn(1, HEADS, HEAD_DIM, gen=g), cos=c, sin=s, inverse=inverse)))
+        c, s = angles(torch.tensor([127, 4000]), ROPE_DIM)
+        out.append(Case(f"t2_h64_d512_r64_{tag}", dict(x=randn(2, HEADS, HEAD_DIM, gen=g), cos=c, sin=s, inverse=inverse)))
+    c, s = angles(torch.tensor([3, 4]), 0)
+    out.append(Case("no_rope_channels", dict(x=randn(2, 3, 16, gen=g), cos=c, sin=s, inverse=False)))
     c, s = angles(torch.empty(0, dtype=torch.long), 8)
     out.append(Case("empty_batch", dict(x=torch.empty(0, 2, 16), cos=c, sin=s, inverse=False)))
     return out

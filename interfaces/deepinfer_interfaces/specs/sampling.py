@@ -1,6 +1,7 @@
 """Sampling cases: greedy, each filter alone and together, a mixed batch, an empty batch; the filtered
 distribution; rejection sampling of drafts (all accepted, none, a rejection in the middle, greedy rows,
-rows with fewer drafts than the widest).
+rows with fewer drafts than the widest, a uniform draw equal to the ratio, drafts the target
+rules out); one row and V4-Flash's vocabulary for each; greedy rows whose logits tie (lowest id).
 
 Token choices are compared exactly: given the same logits and the same exponential noise, every
 backend must pick the same tokens. Logits are spread wide so that no two
@@ -9,6 +10,7 @@ candidates sit within rounding of each other.
 
 import torch
 
+from .shapes import VOCAB
 from .spec import Case, OpSpec, register, seeded
 
 
@@ -42,6 +44,11 @@ def _cases() -> list[Case]:
         ),
         Case("vocab_not_multiple_of_32", _batch(g, 3, 77, temperature=[0.8, 1.0, 0.0], top_k=[7, 0, 0])),
         Case("empty_batch", _batch(g, 0, 16)),
+        Case("greedy_ties_lowest_id", dict(_batch(g, 4, 40, temperature=[0.0] * 4), logits=torch.randint(0, 3, (4, 40), generator=g).float())),
+        Case("mixed_batch_greedy_ties", dict(_batch(g, 3, 40, temperature=[0.0, 1.0, 0.0]), logits=torch.randint(0, 3, (3, 40), generator=g).float() * 4)),
+        Case("one_row_greedy", _batch(g, 1, 64, temperature=[0.0])),
+        Case("one_row_sampled", _batch(g, 1, 64, temperature=[0.8], top_k=[10], top_p=[0.9])),
+        Case("b2_vocab_129280", _batch(g, 2, VOCAB, temperature=[0.0, 1.0], top_k=[0, 50], min_p=[0.0, 0.05])),
     ]
 
 
@@ -108,7 +115,26 @@ def _rejection_cases() -> list[Case]:
         Case("mostly_rejected", _rejection_batch(g, 4, 5, 60, [5, 5, 5, 5], [False] * 4, agree=0.0)),
         Case("mixed_lengths_and_greedy", _rejection_batch(g, 5, 5, 77, [5, 0, 3, 1, 5], [True, False, True, False, False], agree=0.5)),
         Case("empty_batch", _rejection_batch(g, 0, 3, 16, [], [], agree=0.5)),
+        Case("uniform_equal_to_ratio_rejects", _boundary()),
+        Case("one_row", _rejection_batch(g, 1, 5, 40, [5], [False], agree=0.5)),
+        Case("one_row_greedy", _rejection_batch(g, 1, 5, 40, [5], [True], agree=0.5)),
+        Case("one_row_no_drafts", _rejection_batch(g, 1, 5, 40, [0], [False], agree=0.5)),
+        Case("one_row_vocab_129280_five_drafts", _rejection_batch(g, 1, 5, VOCAB, [5], [False], agree=0.6)),
     ]
+
+
+def _boundary() -> dict:
+    """Exact dyadic probabilities over 4 tokens: row 0's first draft has ``uniform == p/q`` (rejected:
+    the test is strict), row 1's first draft is accepted just below the ratio, then its second draft
+    names a token the target gives 0 (always rejected)."""
+    p = torch.tensor([[0.25, 0.25, 0.25, 0.25]]).repeat(2, 3, 1)
+    p[1, 1] = torch.tensor([0.5, 0.0, 0.25, 0.25])
+    q = torch.tensor([[0.5, 0.125, 0.125, 0.25]]).repeat(2, 2, 1)
+    q[1, 1] = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    return dict(
+        target_probs=p, draft_probs=q, draft_tokens=torch.tensor([[0, 1], [0, 1]]), num_drafts=torch.tensor([2, 2]),
+        uniform=torch.tensor([[0.5, 0.1], [0.4999, 0.1]]), noise=torch.empty(2, 3, 4).exponential_(generator=seeded(5)),
+    )
 
 
 register(

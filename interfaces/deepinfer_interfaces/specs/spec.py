@@ -30,6 +30,16 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
 #: An error above tolerance but within this factor of it is a quality warning, not a failure.
 WARN_FACTOR = 4.0
 
+#: Limits on the error statistic ``rms(got − expected) / rms(expected)`` of one output tensor, for the
+#: specs of accumulation-sensitive ops. Rounding a correct result once to bf16 (fp16) costs about
+#: 2^-9/sqrt(3) ≈ 1.1e-3 (2^-11/sqrt(3) ≈ 2.8e-4) and a 16-bit operand rounded between two matmuls as
+#: much again; sums kept in bf16 over a long reduction cost several times that (docs/tolerances.md).
+RMS_LIMITS: dict[torch.dtype, float] = {
+    torch.float32: 1e-5,
+    torch.float16: 5e-4,
+    torch.bfloat16: 4e-3,
+}
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -39,6 +49,8 @@ class Case:
 
     name: str
     kwargs: dict[str, Any]
+    #: the dtypes this case runs in (None: every dtype of its spec); for the costliest real-shape cases
+    dtypes: tuple[torch.dtype, ...] | None = None
 
 
 @dataclass
@@ -59,9 +71,17 @@ class OpSpec:
     output: Callable[[dict[str, Any], Any], Any] | None = None
     #: the oracle runs in fp64 (True) or in fp32 when the op is defined by fp32 math
     fp64_oracle: bool = True
+    #: per-dtype limits on the relative RMS error of each output (besides the per-element bound);
+    #: each spec that sets them says why in ``rms_reason``, which docs/tolerances.md shows
+    rms_limits: dict[torch.dtype, float] = field(default_factory=dict)
+    rms_reason: str = ""
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
         return self.tolerances.get(dtype, TOLERANCES.get(dtype, TOLERANCES[torch.float32]))
+
+    def rms_limit(self, dtype: torch.dtype) -> float | None:
+        """The relative-RMS limit in ``dtype``, or None where the spec checks none."""
+        return None if self.exact else self.rms_limits.get(dtype)
 
 
 SPECS: dict[str, OpSpec] = {}
@@ -73,6 +93,8 @@ def register(spec: OpSpec) -> OpSpec:
         raise ValueError(f"op spec for {spec.op!r} registered twice")
     if spec.tolerances and not spec.tolerance_reason.strip():
         raise ValueError(f"op spec for {spec.op!r} overrides the tolerance table without a reason; set tolerance_reason")
+    if spec.rms_limits and not spec.rms_reason.strip():
+        raise ValueError(f"op spec for {spec.op!r} sets relative-RMS limits without a reason; set rms_reason")
     SPECS[spec.op] = spec
     return spec
 
