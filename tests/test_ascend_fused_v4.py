@@ -532,6 +532,7 @@ def test_moe_experts_group_rows_with_init_routing_on_a2_and_a3(soc_version, perm
         kernels, tn = _kernels(soc_version)
         torch.testing.assert_close(kernels.moe_experts(**kw), REF.moe_experts(**kw), rtol=1e-5, atol=1e-5)
         rows = bool(((kw["topk_ids"] >= 0) & (kw["topk_ids"] < kw["w13"].shape[0])).any())
+        rows &= 2 <= kw["w13"].shape[0] <= 1024  # npu_grouped_matmul's group count (one local expert runs the reference)
         assert ("npu_moe_init_routing_v2" in tn.calls) == (permutes and rows), name
         assert ("npu_grouped_matmul" in tn.calls) == rows, name
 
