@@ -2,7 +2,8 @@
 # One command for a machine with an NVIDIA GPU: conformance of the CUDA backend (its
 # e2e suite replays CUDA graphs against eager), the kernel microbenchmark, the
 # quantized-weight ops (FP8 GEMM, FP4 experts) against bf16, decode
-# steps with and without CUDA graphs, and greedy generation on --backend cuda vs cpu.
+# steps with and without CUDA graphs, greedy generation on --backend cuda vs cpu, and
+# long-context prefill (seconds per chunk, peak memory) up to 1M tokens.
 #
 #   benchmarks/cuda_check.sh [--quick] [--model DIR]
 #
@@ -75,10 +76,17 @@ banner "end to end: greedy generation, --backend cuda vs --backend cpu"
 E2E=$?
 if [ $E2E -eq 0 ]; then E2E_MSG="tokens match"; else E2E_MSG="FAIL (exit $E2E)"; STATUS=1; fi
 
+banner "long context: prefill seconds per chunk and peak memory to 128K (1M without --quick), replay after a hit"
+if [ -n "$QUICK" ]; then LC_CONTEXTS=8192,32768,131072; else LC_CONTEXTS=8192,32768,131072,524288,1048576; fi
+"$PY" benchmarks/long_context.py --backend cuda --contexts "$LC_CONTEXTS" --replay-contexts 102400 --svg reports/long-context.svg --json
+LONG=$?
+if [ $LONG -eq 0 ]; then LONG_MSG="ran (plot: reports/long-context.svg)"; else LONG_MSG="ERROR (exit $LONG)"; fi
+
 banner "summary"
 echo "conformance:   $CONF_MSG   (report: reports/cuda-conformance.json)"
 echo "benchmark:     $BENCH_MSG"
 echo "quantized ops: $QUANT_MSG"
 echo "decode steps:  $DECODE_MSG"
 echo "end to end:    $E2E_MSG"
+echo "long context:  $LONG_MSG"
 exit $STATUS

@@ -62,12 +62,23 @@ class CachePlan:
     def token_capacity(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def tokens_per_sequence(self) -> int:
+        """The longest context one sequence can reach: ``max_model_len``, or the blocks' tokens when fewer."""
+        return min(self.max_model_len, self.token_capacity)
+
+    @property
+    def full_length_sequences(self) -> int:
+        """How many sequences at ``tokens_per_sequence`` the blocks hold at once."""
+        return min(self.num_slots, self.token_capacity // max(self.tokens_per_sequence, 1))
+
     def describe(self) -> str:
         mib = 1 << 20
         draft = f" (the draft's context rings {self.num_slots * self.draft_bytes_per_slot / mib:.1f} MiB of it)" if self.draft_bytes_per_slot else ""
         return (
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({self.token_capacity} tokens of compressed state) "
-            f"+ {self.num_slots} sequence slots, {self.budget / mib:.1f} MiB{draft}"
+            f"+ {self.num_slots} sequence slots, {self.budget / mib:.1f} MiB{draft}; up to {self.tokens_per_sequence} tokens per "
+            f"sequence (max_model_len {self.max_model_len}), {self.full_length_sequences} at that length at once"
         )
 
 

@@ -172,9 +172,46 @@ class Bf16AccumExpertsKernels(Kernels):
         return expert_loop(self, x, topk_ids, topk_weights, w13, w2, limit, chunk=64, keep=x.dtype, reverse=False)
 
 
+def visible_lists(table: torch.Tensor, token_seq: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """``[T, N]`` each token's visible table rows (-1 past them): the per-token lists the long-context ops avoid."""
+    cols = torch.arange(table.shape[1])
+    return torch.where(cols[None, :] < visible[:, None], table[token_seq], -1)
+
+
+class EntryTopkTieHighKernels(Kernels):
+    """The fused indexer top-k taking equal scores towards the higher entry (scores, then an unstable top-k)."""
+
+    name = "mutant-entry-topk-tie-high"
+
+    def indexer_topk(self, q, weights, keys, table, token_seq, visible, scale, k):
+        lists = visible_lists(table, token_seq, visible)
+        scores = self.indexer_scores(q, weights, keys, lists, scale)
+        entries = torch.arange(table.shape[1]).expand_as(lists).contiguous()
+        return self.topk_select(scores.flip(-1), entries.flip(-1), k)
+
+
+class EntryTopkFirstTilesKernels(Kernels):
+    """The fused indexer top-k whose tile loop stops after 16,384 entries: long contexts lose the rest."""
+
+    name = "mutant-entry-topk-first-tiles"
+
+    def indexer_topk(self, q, weights, keys, table, token_seq, visible, scale, k):
+        return super().indexer_topk(q, weights, keys, table[:, :16384], token_seq, visible.clamp(max=16384), scale, k)
+
+
+class EntryAttentionFirstTilesKernels(Kernels):
+    """Attention over every entry whose tile loop stops after 4,096 entries."""
+
+    name = "mutant-entry-attention-first-tiles"
+
+    def entry_attention(self, q, kv, indices, table, token_seq, visible, sinks, scale):
+        return super().entry_attention(q, kv, indices, table[:, :4096], token_seq, visible.clamp(max=4096), sinks, scale)
+
+
 class AlternativeKernels(Kernels):
     """Correct in another way: tiled online-softmax attention walked backwards, experts pair by pair in
-    fp32 K tiles with 16-bit operands, top-k and routing by a composite key instead of a stable sort."""
+    fp32 K tiles with 16-bit operands, top-k and routing by a composite key instead of a stable sort, the
+    long-context ops over per-token lists in one piece."""
 
     name = "alternative-correct"
 
@@ -200,9 +237,20 @@ class AlternativeKernels(Kernels):
         out[:, :take] = torch.where(s.gather(1, order) > float("-inf"), picked, torch.full_like(picked, -1))
         return out
 
+    def indexer_topk(self, q, weights, keys, table, token_seq, visible, scale, k):
+        lists = visible_lists(table, token_seq, visible)
+        entries = torch.arange(table.shape[1]).expand_as(lists).contiguous()
+        # the specified stable top-k (this set's pairwise one would take [T, N, N] at 32,768 entries)
+        return Kernels.topk_select(self, self.indexer_scores(q, weights, keys, lists, scale), entries, k)
+
+    def entry_attention(self, q, kv, indices, table, token_seq, visible, sinks, scale):
+        rows = torch.cat([indices, visible_lists(table, token_seq, visible)], dim=1)
+        return self.sparse_attention(q, kv, rows, sinks, scale)
+
 
 MUTANTS = {cls.name: cls.__name__ for cls in (
     TopkTieHighColumnKernels, RouteTieHighExpertKernels, DecodePathIgnoresPaddingKernels, SqueezedRouteKernels,
     HeadDimTileKernels, WindowTileKernels, Bf16AccumAttentionKernels, Bf16AccumExpertsKernels,
+    EntryTopkTieHighKernels, EntryTopkFirstTilesKernels, EntryAttentionFirstTilesKernels,
 )}
 CORRECT = {AlternativeKernels.name: AlternativeKernels.__name__}

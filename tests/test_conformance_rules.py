@@ -27,6 +27,9 @@ EXPECTED: dict[str, dict[str, set[str]]] = {
     "mutant-window-tile": {"compress_kv": {"hca_one_row_m128_c512", "hca_e2_m128_c512_partial"}},
     "mutant-bf16-accum-attention": {"sparse_attention": {"t1_h16_d512_long_list_2176", "t1_h64_d512_window128_topk512"}},
     "mutant-bf16-accum-experts": {"moe_experts": {"one_token_d4096_i2048_k6_real_width"}},
+    "mutant-entry-topk-tie-high": {"indexer_topk": {"integer_inputs_equal_scores_in_entry_order"}},
+    "mutant-entry-topk-first-tiles": {"indexer_topk": {"t2_long_context_32768_entries"}},
+    "mutant-entry-attention-first-tiles": {"entry_attention": {"t2_long_context_8192_entries"}},
 }
 #: the bf16-accumulation mutants fail only by the statistic on these cases: per element they pass
 STAT_ONLY = {("mutant-bf16-accum-attention", "t1_h16_d512_long_list_2176"), ("mutant-bf16-accum-experts", "one_token_d4096_i2048_k6_real_width")}
@@ -105,6 +108,6 @@ def test_every_op_has_one_token_and_real_shape_cases():
 
 def test_accumulation_sensitive_ops_carry_a_limit():
     ops = {"sparse_attention", "indexer_scores", "moe_experts", "fp8_linear", "moe_experts_quantized", "rms_norm", "compress_kv",
-           "mhc_pre", "mhc_mix", "mhc_collapse", "mhc_post", "mhc_head", "engram_inject"}
+           "mhc_pre", "mhc_mix", "mhc_collapse", "mhc_post", "mhc_head", "engram_inject", "indexer_topk", "entry_attention"}
     assert {op for op, s in SPECS.items() if s.rms_limits} == ops
     assert all(SPECS[op].rms_reason for op in ops)

@@ -166,8 +166,8 @@ class ChoiceRecorder(Kernels):
         self.choices.append(ids.sort(dim=-1).values)
         return weights, ids
 
-    def topk_select(self, scores, values, k):
-        out = super().topk_select(scores, values, k)
+    def indexer_topk(self, *args, **kwargs):
+        out = super().indexer_topk(*args, **kwargs)
         self.choices.append(out.sort(dim=-1).values)
         return out
 
@@ -225,9 +225,9 @@ class TopkRecorder(Kernels):
         self.candidates: list[int] = []
         self.picked: list[int] = []
 
-    def topk_select(self, scores, values, k):
-        out = super().topk_select(scores, values, k)
-        self.candidates.append(int(torch.isfinite(scores).sum(-1).max()))
+    def indexer_topk(self, q, weights, keys, table, token_seq, visible, scale, k):
+        out = super().indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)
+        self.candidates.append(int(visible.max()) if visible.numel() else 0)
         self.picked.append(int((out >= 0).sum(-1).max()))
         return out
 

@@ -53,8 +53,9 @@ class Indexer(ParamTree):
         self.compressor(k, kv, gate, meta, cache.state_pool(layer, INDEXER), keys, meta.emit_index_slot)
         q = linear(k, q_lat, self.wq_b).view(q_lat.shape[0], self.heads, self.dim)
         q = k.rope(q, meta.cos, meta.sin)
-        scores = k.indexer_scores(q, head_weights * self.heads**-0.5, keys, meta.visible_index, self.dim**-0.5)
-        return k.topk_select(scores, meta.visible_kv, min(self.topk, meta.visible_kv.shape[1]))
+        picks = k.indexer_topk(q, head_weights * self.heads**-0.5, keys, meta.seq_index, meta.token_seq, meta.visible,
+                               self.dim**-0.5, min(self.topk, meta.entries))
+        return meta.entry_rows(picks)
 
 
 class LatentAttention(ParamTree):
@@ -77,10 +78,16 @@ class LatentAttention(ParamTree):
         self.wo_b = linear_param(self, "wo_b", c.hidden_size, c.o_groups * c.o_lora_rank, dtype, plan.storage(f"{role}.wo_b"))
         self.sinks = self.param("attn_sink", (c.num_attention_heads,), torch.float32)
 
-    def attend(self, k: Kernels, q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, meta: LayerMeta) -> torch.Tensor:
-        """``[T, D]``: the heads' attention over ``rows`` of ``pool``, un-rotated, through the grouped output."""
+    def attend(
+        self, k: Kernels, q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, meta: LayerMeta, every_entry: bool = False
+    ) -> torch.Tensor:
+        """``[T, D]``: the heads' attention over ``rows`` of ``pool`` (and, with ``every_entry``, over every
+        compressed entry each token sees, in tiles), un-rotated, through the grouped output."""
         t = q.shape[0]
-        out = k.sparse_attention(q, pool, rows, self.sinks, self.head_dim**-0.5)
+        if every_entry:
+            out = k.entry_attention(q, pool, rows, meta.seq_kv, meta.token_seq, meta.visible, self.sinks, self.head_dim**-0.5)
+        else:
+            out = k.sparse_attention(q, pool, rows, self.sinks, self.head_dim**-0.5)
         out = k.rope(out, meta.cos, meta.sin, inverse=True)
         grouped = out.reshape(t, self.groups, self.heads * self.head_dim // self.groups)
         return linear(k, grouped_output(k, grouped, self.wo_a, self.groups), self.wo_b)
@@ -125,8 +132,9 @@ class Attention(LatentAttention):
         rows = meta.window_rows
         if self.compressor is not None:
             self.compressor(k, projected[2], projected[3], meta, cache.state_pool(layer, COMPRESSOR), pool, meta.emit_kv_slot)
-            extra = self.indexer(k, projected[4:], q_lat, meta, cache, layer) if self.indexer is not None else meta.visible_kv
-            rows = torch.cat([rows, extra], dim=1)
+            if self.indexer is None:  # heavily compressed: every entry, in tiles
+                return self.attend(k, q, pool, rows, meta, every_entry=True)
+            rows = torch.cat([rows, self.indexer(k, projected[4:], q_lat, meta, cache, layer)], dim=1)
         return self.attend(k, q, pool, rows, meta)
 
 

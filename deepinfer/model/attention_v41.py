@@ -111,12 +111,17 @@ class SharedIndexer(ParamTree):
         """``[T, min(topk, N)]`` kv-pool rows of the entries each query attends to (-1: none)."""
         q = linear(k, q_lat, self.wq_b).view(q_lat.shape[0], self.heads, self.dim)
         q = k.rope(q, meta.cos, meta.sin)
-        scores = k.indexer_scores(q, head_weights * self.heads**-0.5, cache.index_pool(source), meta.visible_index, self.dim**-0.5)
+        weights, keys, topk = head_weights * self.heads**-0.5, cache.index_pool(source), min(self.topk, meta.entries)
+        if self.candidates is None or (self.candidates == "read" and shared.candidates is None):
+            picks = k.indexer_topk(q, weights, keys, meta.seq_index, meta.token_seq, meta.visible, self.dim**-0.5, topk)
+            return meta.entry_rows(picks)
+        # two-level top-k: the candidate mask spans every entry ([T, N])
+        scores = k.indexer_scores(q, weights, keys, meta.visible_rows(index=True), self.dim**-0.5)
         if self.candidates == "source":
             shared.candidates = k.candidate_blocks(scores, meta.visible, self.topk_blocks, self.block_size)
-        elif self.candidates == "read" and shared.candidates is not None:
+        else:
             scores = scores.masked_fill(~shared.candidates, float("-inf"))
-        return k.topk_select(scores, meta.visible_kv, min(self.topk, meta.visible_kv.shape[1]))
+        return k.topk_select(scores, meta.visible_rows(), topk)
 
 
 class SharedAttention(LatentAttention):

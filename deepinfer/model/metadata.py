@@ -44,9 +44,12 @@ class LayerMeta:
     #: ``[E, R/2]`` compress-rope angles at each completed entry's position (its window's first token)
     entry_cos: torch.Tensor | None = None
     entry_sin: torch.Tensor | None = None
-    #: ``[T, N]`` kv-pool / index-pool rows of the entries visible to each token (-1: not yet complete)
-    visible_kv: torch.Tensor | None = None
-    visible_index: torch.Tensor | None = None
+    #: ``[B, N]`` kv-pool / index-pool rows of each sequence's entries ``0 … N − 1`` (-1: no block); a token
+    #: sees the first ``visible`` of its sequence's (per-sequence tables: nothing here grows as ``T × N``)
+    seq_kv: torch.Tensor | None = None
+    seq_index: torch.Tensor | None = None
+    #: ``[T]`` each token's row of the per-sequence tables
+    token_seq: torch.Tensor | None = None
     #: ``[T]`` how many compressed entries each token sees
     visible: torch.Tensor | None = None
 
@@ -54,17 +57,30 @@ class LayerMeta:
         """The per-token fields at the batch rows ``rows`` (for a layer that reads entries but completes none)."""
         picked = {
             name: getattr(self, name).index_select(0, rows)
-            for name in ("cos", "sin", "window_write", "window_rows", "visible_kv", "visible_index", "visible")
+            for name in ("cos", "sin", "window_write", "window_rows", "token_seq", "visible")
             if getattr(self, name) is not None
         }
         return dataclasses.replace(self, **picked, state_write=None)
 
+    @property
+    def entries(self) -> int:
+        """``N``: the entries a sequence's tables hold this step (a token sees at most that many)."""
+        return self.seq_kv.shape[1]
 
-def _per_token(table: torch.Tensor, token_seq: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """``[T, N]``: each token's sequence row of ``table`` ``[B, N]``, -1 past its visible count."""
-    n = table.shape[1]
-    seen = torch.arange(n, device=table.device)[None, :] < visible[:, None]
-    return torch.where(seen, table[token_seq], -1)
+    def entry_rows(self, entries: torch.Tensor, index: bool = False) -> torch.Tensor:
+        """``[T, K]`` kv-pool (index-pool) rows of each token's entry numbers ``entries`` ``[T, K]`` (-1 stays -1)."""
+        table = self.seq_index if index else self.seq_kv
+        if entries.shape[1] == 0 or table.shape[1] == 0:
+            return torch.full_like(entries, -1)
+        rows = table[self.token_seq[:, None], entries.clamp(0, table.shape[1] - 1)]
+        return torch.where(entries >= 0, rows, -1)
+
+    def visible_rows(self, index: bool = False) -> torch.Tensor:
+        """``[T, N]`` pool rows of the entries each token sees (-1 past them), for an op that takes per-token
+        lists; it grows with the context, so only V4.1's candidate blocks use it."""
+        table = self.seq_index if index else self.seq_kv
+        seen = torch.arange(table.shape[1], device=table.device)[None, :] < self.visible[:, None]
+        return torch.where(seen, table.index_select(0, self.token_seq), -1)
 
 
 def build_layer_metas(inputs: ForwardInputs, geometry: CacheGeometry, rope_main: Rotary, rope_compress: Rotary) -> dict[str, LayerMeta]:
@@ -86,7 +102,8 @@ def build_layer_metas(inputs: ForwardInputs, geometry: CacheGeometry, rope_main:
             continue
         if spec.entry_kind in shared:  # a reader of entries another kind's fields already describe
             owner = shared[spec.entry_kind]
-            meta.ratio, meta.visible_kv, meta.visible_index, meta.visible = owner.ratio, owner.visible_kv, owner.visible_index, owner.visible
+            meta.ratio, meta.seq_kv, meta.seq_index = owner.ratio, owner.seq_kv, owner.seq_index
+            meta.token_seq, meta.visible = owner.token_seq, owner.visible
             meta.entry_cos, meta.entry_sin = owner.entry_cos, owner.entry_sin
             continue
         shared[spec.entry_kind] = meta
@@ -100,7 +117,6 @@ def build_layer_metas(inputs: ForwardInputs, geometry: CacheGeometry, rope_main:
         meta.emit_index_slot = li.emit_index
         meta.entry_cos, meta.entry_sin = rope_compress(li.emit_positions)
         meta.visible = li.visible
-        meta.visible_kv = _per_token(li.seq_kv, inputs.token_seq, li.visible)
-        if li.seq_index is not None:
-            meta.visible_index = _per_token(li.seq_index, inputs.token_seq, li.visible)
+        meta.token_seq = inputs.token_seq
+        meta.seq_kv, meta.seq_index = li.seq_kv, li.seq_index
     return metas

@@ -92,6 +92,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
         index_n_heads=8,
         index_topk=3,
     ),
+    # a million-token position range (YaRN over a 64K original range) with V4-Flash's ratios 4 and 128:
+    # one layer of each kind, for long-context prefill
+    "long_context": dict(
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        hc_mult=2,
+        o_groups=2,
+        index_topk=16,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
+        max_position_embeddings=1 << 20,
+    ),
 }
 
 

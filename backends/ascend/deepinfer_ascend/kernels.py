@@ -9,9 +9,10 @@ Where each op runs is decided at call time (see :meth:`AscendKernels.paths`):
   its ``npu_sparse_flash_attention``, so A2/A3 run their reference);
 - an op with a Triton-Ascend kernel runs it on NPU tensors (Triton-Ascend
   installed) or on CPU tensors under Triton's interpreter (``--interpret``);
-  on Ascend 950, ``indexer_scores``, ``mhc_pre``, ``mhc_mix`` and ``mhc_post``
-  run the SoC's own fused op first where it takes the inputs, the Triton-Ascend
-  kernel otherwise (and after the fused op raised);
+  on Ascend 950, ``indexer_scores``, ``mhc_pre``, ``mhc_mix``, ``mhc_post`` and
+  ``entry_attention`` (and ``indexer_topk`` on 950, A3 and A2) run the SoC's own
+  fused op first where it takes the inputs, the Triton-Ascend kernel otherwise
+  (and after the fused op raised);
 - otherwise, and for every op named in ``DEEPINFER_ASCEND_DISABLE``, the
   reference runs (plain torch, on whatever device the tensors are on).
 
@@ -80,6 +81,8 @@ class AscendKernels(Kernels):
         "mhc_head": TRITON,
         "candidate_blocks": TRITON,
         "engram_inject": TRITON,
+        "indexer_topk": f"{TRITON} (950/A3/A2: torch_npu:npu_lightning_indexer)",
+        "entry_attention": f"{TRITON} (950: torch_npu:npu_sparse_flash_attention)",
     }
 
     def __init__(self, strict: bool = False, torch_npu: Any = None) -> None:
@@ -490,3 +493,71 @@ class AscendKernels(Kernels):
             return engram_inject(streams, key, value, weight, eps)
 
         return self._triton("engram_inject", (streams, key, value, weight), kernel, reference)
+
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        table: torch.Tensor,
+        token_seq: torch.Tensor,
+        visible: torch.Tensor,
+        scale: float,
+        k: int,
+    ) -> torch.Tensor:
+        """The top-``k`` entries over per-sequence tables: ``npu_lightning_indexer`` (per-token batches over gathered
+        rows) where it takes them (see ``npu_v4_ops.indexer_topk``), else the Triton-Ascend kernels scoring entry
+        blocks into a bounded scratch and selecting by rank (``triton_ascend_long_context``)."""
+        reference = lambda: super(AscendKernels, self).indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)  # noqa: E731
+        if q.shape[0] == 0 or k <= 0 or table.shape[1] == 0 or keys.shape[0] == 0:
+            return reference()
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_long_context import indexer_topk
+
+            return indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)
+
+        triton = lambda: self._triton("indexer_topk", (q, weights, keys), kernel, reference)  # noqa: E731
+        from . import npu_v4_ops
+
+        tn = self._fused_module((q, keys))
+        if tn is None or npu_v4_ops.indexer_topk_fits(tn, q, weights, keys, table, k) is not None:
+            return triton()
+        return self._fused(
+            "indexer_topk", (q, keys),
+            lambda tn: npu_v4_ops.indexer_topk(tn, q, weights, keys, table, token_seq, visible, scale, k), triton,
+        )
+
+    def entry_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        indices: torch.Tensor,
+        table: torch.Tensor,
+        token_seq: torch.Tensor,
+        visible: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Sink attention over listed rows and table entries: ``npu_sparse_flash_attention`` on Ascend 950 where it
+        takes them (see ``npu_v4_ops.entry_attention``), else the Triton-Ascend kernel's running softmax per
+        (token, head) (``triton_ascend_long_context``)."""
+        reference = lambda: super(AscendKernels, self).entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale)  # noqa: E731
+        if q.shape[0] == 0 or kv.shape[0] == 0:
+            return reference()
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_long_context import entry_attention
+
+            return entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale)
+
+        triton = lambda: self._triton("entry_attention", (q, kv), kernel, reference)  # noqa: E731
+        from . import npu_v4_ops
+
+        tn = self._fused_module((q, kv))
+        if tn is None or npu_v4_ops.entry_attention_fits(tn, q, kv, indices, table, sinks) is not None:
+            return triton()
+        return self._fused(
+            "entry_attention", (q, kv),
+            lambda tn: npu_v4_ops.entry_attention(tn, q, kv, indices, table, token_seq, visible, sinks, scale), triton,
+        )

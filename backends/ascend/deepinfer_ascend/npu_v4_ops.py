@@ -468,3 +468,169 @@ def hash_route(
         out_flag=False, routed_scaling_factor=float(routed_scaling), eps=1e-20,
     )
     return y.float(), ids.to(torch.int64)
+
+
+# ---- over per-sequence tables: indexer_topk, entry_attention -----------------------------------
+
+#: ``npu_lightning_indexer`` without ``return_value`` (the indices only): "Ascend 950PR/Ascend 950DT √, Atlas A3 √,
+#: Atlas A2 √" (ops-transformer attention/lightning_indexer/README.md)
+LIGHTNING_TOPK_GENERATIONS = frozenset({"950", "a3", "a2"})
+#: A2/A3: "query Q_N支持小于等于64"
+INDEXER_MAX_HEADS_A2_A3 = 64
+#: the most table entries (T × N, int32) ``entry_attention``'s glue lists per step for ``npu_sparse_flash_attention``
+#: (64 MiB of indices); a larger step (a long prefill over a long context) keeps the Triton-Ascend kernel
+ENTRY_MAX_INDICES = 1 << 24
+
+
+def topk_sparse_count(k: int) -> int | None:
+    """The ``sparse_count`` ``indexer_topk`` asks for: room for ``2k`` picks (a margin for ties and rounding at the
+    ``k``-th), at most 8192, at least ``k``; None when ``k`` itself is past 8192."""
+    if lightning_sparse_count(k) is None:
+        return None
+    return lightning_sparse_count(max(k, min(2 * k, INDEXER_MAX_COUNT)))
+
+
+def indexer_topk_fits(
+    tn: ModuleType, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, k: int
+) -> str | None:
+    """Why ``npu_lightning_indexer`` cannot pick these tokens' top ``k`` entries here, or None."""
+    gen = generation(tn, q.device)
+    soc = _soc_reason(tn, q.device, LIGHTNING_TOPK_GENERATIONS, "npu_lightning_indexer")
+    if soc is not None:
+        return soc
+    t, h, d = q.shape
+    n = table.shape[1]
+    if q.dtype not in _HALF or keys.dtype != q.dtype:
+        return f"npu_lightning_indexer takes fp16/bf16 query and key of one dtype, not {q.dtype}/{keys.dtype}"
+    if d != INDEXER_HEAD_DIM or keys.shape[-1] != INDEXER_HEAD_DIM:
+        return f"npu_lightning_indexer needs a {INDEXER_HEAD_DIM}-wide index head, got {d}"
+    if gen == "950" and h not in INDEXER_HEADS_950:
+        return f"npu_lightning_indexer on Ascend 950 takes {sorted(INDEXER_HEADS_950)} query heads, got {h}"
+    if not 1 <= h <= INDEXER_MAX_HEADS_A2_A3:
+        return f"npu_lightning_indexer takes at most {INDEXER_MAX_HEADS_A2_A3} query heads, got {h}"
+    if t == 0 or n == 0 or keys.shape[0] == 0 or lightning_sparse_count(k) is None:
+        return f"npu_lightning_indexer picks 1 to {INDEXER_MAX_COUNT} of a non-empty key sequence, got k={k} of {n}"
+    gathered = t * n * d * q.element_size()
+    if gathered > INDEXER_MAX_GATHER_BYTES:
+        return f"each token's gathered entry keys would take {gathered >> 20} MiB (more than {INDEXER_MAX_GATHER_BYTES >> 20} MiB)"
+    return None
+
+
+def valid_first_entries(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(entries, counts)``: ``entries [B, N]`` each sequence's entry numbers whose table row is ``>= 0``, in order,
+    then ``N``; ``counts [B, N + 1]`` how many of the entries ``j < c`` have a row (``counts[:, c]``). No host read."""
+    b, n = table.shape
+    valid = table >= 0
+    seen = valid.to(torch.int64).cumsum(1)
+    slot = torch.where(valid, seen - 1, torch.full_like(seen, n))  # invalid entries land in the spare column n
+    entries = torch.full((b, n + 1), n, dtype=torch.int64, device=table.device)
+    entries.scatter_(1, slot, torch.arange(n, device=table.device).expand(b, n).contiguous())
+    entries[:, n] = n
+    counts = torch.cat([seen.new_zeros(b, 1), seen], dim=1)
+    return entries[:, :n], counts
+
+
+def indexer_topk(
+    tn: ModuleType, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
+    token_seq: torch.Tensor, visible: torch.Tensor, scale: float, k: int,
+) -> torch.Tensor:
+    """``Kernels.indexer_topk`` through ``torch_npu.npu_lightning_indexer(query, key, weights, *,
+    actual_seq_lengths_query=None, actual_seq_lengths_key=None, block_table=None,
+    layout_query='BSND', layout_key='BSND', sparse_count=2048, sparse_mode=3,
+    pre_tokens=2**63-1, next_tokens=2**63-1, return_value=False) -> (Tensor sparse_indices, Tensor sparse_values)``.
+
+    The op ranks ``Σ_h w_h · relu(q_h · k)`` over one key sequence per batch and returns the top
+    ``sparse_count`` positions (int32, ``-1`` past the sequence's ``actual_seq_lengths_key``). The gap:
+
+    - paging: ``layout_key='PA_BSND'`` with ``block_table`` would read V4's pool in place, but its
+      ``block_size`` must be a multiple of 16 (at most 1024) and V4's table names one pool row per
+      entry (block size 1), so the paged form does not fit. Instead each token is its own batch
+      (``query [T, 1, H, 128]``, ``weights [T, 1, H]``) over its sequence's rows gathered in BSND,
+      ``key [T, N, 1, 128]``: that gather grows with ``N``, so the glue takes a step only while it stays
+      within ``INDEXER_MAX_GATHER_BYTES`` (decode steps; longer ones keep the Triton-Ascend kernel);
+    - holes: a ``-1`` row within ``visible`` is no candidate, and the op has no mask but the length.
+      The rows are gathered valid-first (:func:`valid_first_entries`, no host read) and the length
+      is the number of rows among the entries ``j < visible``, ``actual_seq_lengths_key`` (int32); a
+      position the op returns is mapped back to its entry number;
+    - ``sparse_mode=0`` (no causal mask: ``visible`` says what each token sees);
+    - ties and rounding: the op's order among equal (and, on 950 with 16-bit weights, rounded) scores
+      is not documented. ``sparse_count`` asks for up to ``2k`` (:func:`topk_sparse_count`), those picks
+      are rescored in fp32 from their keys and sorted by the contract (higher score first, equal scores
+      by the lower entry), and the first ``k`` kept: exact unless more than ``k`` entries tie with the
+      ``k``-th across the op's cut;
+    - weights: fp32 on A2/A3, the query dtype on 950 ("weights不支持float32类型").
+
+    Sources: ops-transformer ``attention/lightning_indexer/README.md`` (950/A3/A2; PA_BSND block_size a
+    multiple of 16 up to 1024; K_N 1, D 128; 950: Q_N 8/16/24/32/64, no fp32 weights; A2/A3: Q_N <= 64;
+    ``actual_seq_lengths_key`` per batch, 0 allowed) and op-plugin ``docs/zh/custom_APIs/torch_npu/
+    torch_npu-npu_lightning_indexer.md``; the golden op-plugin ``test/test_custom_ops/test_npu_lightning_indexer.py``
+    (indices relative to each batch's keys, descending, ``-1`` past the length).
+    """
+    _need(indexer_topk_fits(tn, q, weights, keys, table, k))
+    t, h, d = q.shape
+    n = table.shape[1]
+    count = topk_sparse_count(k)
+    seq = token_seq.to(torch.int64)
+    entries, counts = valid_first_entries(table)
+    vis = visible.to(torch.int64).clamp(0, n)
+    lengths = counts[seq, vis]  # [T]: rows among each token's visible entries
+    order = entries.clamp(max=n - 1)
+    rows = table.gather(1, order).clamp(min=0)  # [B, N]: pool rows, valid ones first (the rest: some row, past the length)
+    key = keys[rows.index_select(0, seq)].contiguous().view(t, n, 1, d)
+    w = weights.to(torch.float32 if generation(tn, q.device) != "950" else q.dtype).contiguous().view(t, 1, h)
+    picked, _ = tn.npu_lightning_indexer(
+        q.contiguous().view(t, 1, h, d), key, w, actual_seq_lengths_key=lengths.to(torch.int32).contiguous(),
+        layout_query="BSND", layout_key="BSND", sparse_count=count, sparse_mode=0,
+    )
+    pos = picked.reshape(t, count).to(torch.int64)
+    ok = (pos >= 0) & (pos < lengths[:, None])
+    j = torch.where(ok, entries[seq[:, None], pos.clamp(0, n - 1)], torch.full_like(pos, -1))
+    # rescore the picks in fp32 and order them by the contract: score descending, equal scores by the lower entry
+    pick_rows = torch.where(ok, table[seq[:, None], j.clamp(min=0)], torch.zeros_like(j)).clamp(min=0)
+    dots = torch.relu(torch.einsum("thd,tkd->thk", q.float(), keys[pick_rows].float()))
+    score = (torch.einsum("thk,th->tk", dots, weights.float()) * scale).masked_fill(~ok, float("-inf"))
+    by_entry = torch.sort(torch.where(ok, j, torch.full_like(j, n)), dim=1, stable=True).indices
+    score, j = score.gather(1, by_entry), j.gather(1, by_entry)
+    by_score = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :k]
+    return j.gather(1, by_score)
+
+
+def entry_attention_fits(
+    tn: ModuleType, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, table: torch.Tensor, sinks: torch.Tensor
+) -> str | None:
+    """Why ``npu_sparse_flash_attention`` cannot attend over these rows and table entries here, or None."""
+    reason = sparse_attention_fits(tn, q, kv, indices[:, :1] if indices.shape[1] else indices.new_zeros(q.shape[0], 1), sinks)
+    if reason is not None:
+        return reason
+    listed = q.shape[0] * (indices.shape[1] + table.shape[1])
+    if indices.shape[1] + table.shape[1] == 0:
+        return "npu_sparse_flash_attention takes no empty sparse_indices"
+    if listed > ENTRY_MAX_INDICES:
+        return f"listing every token's entries would take {listed} indices (more than {ENTRY_MAX_INDICES})"
+    return None
+
+
+def entry_attention(
+    tn: ModuleType, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, table: torch.Tensor,
+    token_seq: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """``Kernels.entry_attention`` through :func:`sparse_attention` (``npu_sparse_flash_attention`` with sinks).
+
+    The op reads its ``sparse_indices`` as rows of the pool (``sparse_block_size=1``, the only size
+    Ascend 950 takes), so V4's table needs no paging: each token's row list is its listed rows followed
+    by ``table[token_seq[t], j]`` for ``j < visible[t]`` (``-1`` elsewhere), ``[T, K + N]`` int32, built on
+    the device, packed valid-first and attended over as ``sparse_attention`` does. The list grows with
+    ``N`` (4 bytes per entry per token, against the ``N × 512`` values the op reads), so the glue takes a step
+    only while it stays within ``ENTRY_MAX_INDICES``. Sinks are 950-only ("参数sinks仅支持Ascend 950PR/Ascend
+    950DT"), so A2/A3 keep the Triton-Ascend kernel.
+
+    Sources: as :func:`sparse_attention` (ops-transformer ``aclnnSparseFlashAttentionV2.md``: no limit on
+    ``sparse_size`` but "> 0", valid indices first; 950: N1 1-128, sparse_block_size 1).
+    """
+    _need(entry_attention_fits(tn, q, kv, indices, table, sinks))
+    n = table.shape[1]
+    seq = token_seq.to(torch.int64)
+    mine = table.index_select(0, seq)
+    seen = torch.arange(n, device=table.device)[None, :] < visible.to(torch.int64)[:, None]
+    rows = torch.cat([indices.to(torch.int64), torch.where(seen, mine, torch.full_like(mine, -1))], dim=1)
+    return sparse_attention(tn, q, kv, rows, sinks, scale)

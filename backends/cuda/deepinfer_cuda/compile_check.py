@@ -57,7 +57,7 @@ from triton.runtime.jit import JITFunction, MockTensor, create_function_from_sig
 from . import __path__ as _package_path
 from . import (
     triton_attention, triton_bitmask, triton_cache, triton_candidates, triton_compressor, triton_engram, triton_experts,
-    triton_fp8, triton_indexer, triton_mhc, triton_moe, triton_norm, triton_rope, triton_sampling,
+    triton_fp8, triton_indexer, triton_long_context, triton_mhc, triton_moe, triton_norm, triton_rope, triton_sampling,
 )
 from .launch import SHARED_MEMORY_PER_BLOCK, Tiles, interpreting
 from .triton_common import PROGRAMS_PER_SM, accumulator, dot_operands
@@ -385,6 +385,48 @@ def _attention(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) 
     return out
 
 
+def _long_context(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
+    """The ops over every entry a token sees, at a million-token context: the indexer's fused top-k over the CSA
+    entries (split over them at decode, then the merge) and attention over the window plus every HCA entry."""
+    tokens = s.decode_tokens if phase == "decode" else s.prefill_tokens
+    context = 1 << 20
+    n, k = context // s.csa_ratio, s.index_topk
+    dot, prec = dot_operands(dtype)
+    i64, f32 = ptr(torch.int64), ptr(torch.float32)
+    programs = PROGRAMS_PER_SM * LIMITS[target].multiprocessors
+    splits, slice_len = triton_long_context.topk_slices(tokens, k, n, programs)
+    split = splits > 1
+    tiles = triton_long_context.topk_tiles(s.index_heads, s.index_dim, k, n, dtype)
+    what = f"{phase}, {n} CSA entries, top {k}" + (f", {splits} slices" if split else "")
+    args = dict(q_ptr=ptr(dtype), w_ptr=ptr(dtype), keys_ptr=ptr(dtype), table_ptr=i64, seq_ptr=i64, vis_ptr=i64, out_ptr=i64,
+                H=s.index_heads, D=s.index_dim, N=n, P=n + 4096, TOPK=k, SLICE=slice_len, scale=0.088,
+                stride_qt=s.index_heads * s.index_dim, stride_qh=s.index_dim, stride_wt=s.index_heads, stride_k=s.index_dim,
+                stride_tb=n, stride_ot=k, SPLIT=split, DOT=dot, PREC=prec)
+    out = launch_cases("indexer_topk", triton_long_context._indexer_topk_kernel, dt, args, tiles, what)
+    if split:
+        merge = dict(part_ptr=i64, out_ptr=i64, S=splits, TOPK=k, stride_ot=k)
+        out += launch_cases("indexer_topk.merge", triton_long_context._topk_merge_kernel, dt, merge,
+                            triton_long_context.topk_merge_tiles(k, n), what)
+    heads, dim, window, entries = s.heads, s.head_dim, s.window, context // s.hca_ratio
+    splits, slice_len = triton_attention.attention_slices(tokens, heads, window + entries, programs)
+    split = splits > 1
+    out_ptr = f32 if split else ptr(dtype)
+    what = f"{phase}, window {window} + {entries} HCA entries" + (f", {splits} slices" if split else "")
+    args = dict(q_ptr=ptr(dtype), kv_ptr=ptr(dtype), idx_ptr=i64, table_ptr=i64, seq_ptr=i64, vis_ptr=i64, sink_ptr=f32,
+                out_ptr=out_ptr, part_m_ptr=f32 if split else out_ptr, part_l_ptr=f32 if split else out_ptr, H=heads, D=dim,
+                K=window, N=entries, P=1 << 20, SLICE=slice_len if split else window + entries, qk_scale=0.06,
+                stride_qt=heads * dim, stride_qh=dim, stride_kv=dim, stride_it=window, stride_tb=entries,
+                stride_ot=splits * heads * dim if split else heads * dim, stride_oh=dim, SPLIT=split, DOT=dot, PREC=prec)
+    out += launch_cases("entry_attention", triton_long_context._entry_attention_kernel, dt, args,
+                        triton_attention.attention_tiles(heads, dim), what)
+    if split:
+        merge = dict(part_ptr=f32, part_m_ptr=f32, part_l_ptr=f32, sink_ptr=f32, out_ptr=ptr(dtype), H=heads, D=dim, S=splits,
+                     stride_ot=heads * dim, stride_oh=dim)
+        out += launch_cases("entry_attention.merge", triton_attention._merge_slices_kernel, dt, merge,
+                            triton_attention.merge_tiles(heads, dim), what)
+    return out
+
+
 def _compressor(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
     out = []
     for ratio, width, overlap, what in ((s.csa_ratio, 2 * s.head_dim, True, "CSA"), (s.hca_ratio, s.head_dim, False, "HCA"),
@@ -607,7 +649,8 @@ def _fp8(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> lis
 
 #: the case builders, one per kernel family
 BUILDERS: tuple[Callable[[Shapes, torch.dtype, str, str, int], list[Case]], ...] = (
-    _norm, _rope, _sampling, _cache, _attention, _compressor, _mhc, _mhc_v41, _candidates, _engram, _moe, _experts, _fp8,
+    _norm, _rope, _sampling, _cache, _attention, _long_context, _compressor, _mhc, _mhc_v41, _candidates, _engram, _moe,
+    _experts, _fp8,
 )
 
 

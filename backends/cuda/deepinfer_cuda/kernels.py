@@ -141,6 +141,47 @@ class CUDAKernels(Kernels):
 
         return indexer_scores(q, weights, keys, indices, scale)
 
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        table: torch.Tensor,
+        token_seq: torch.Tensor,
+        visible: torch.Tensor,
+        scale: float,
+        k: int,
+    ) -> torch.Tensor:
+        """Indexer scores and a running top-k in registers over each token's entries (see ``Kernels.indexer_topk``)."""
+        n = table.shape[-1]
+        if q.shape[0] == 0 or n == 0 or k < 1 or not _model_dtypes(q, keys):
+            return super().indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)
+        check_device("indexer_topk", q, weights, keys, table, token_seq, visible)
+        from .triton_long_context import MAX_TOPK, indexer_topk, topk_width
+
+        if topk_width(k, n) > MAX_TOPK:  # wider than the registers hold: the reference, tiled too
+            return super().indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)
+        return indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)
+
+    def entry_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        indices: torch.Tensor,
+        table: torch.Tensor,
+        token_seq: torch.Tensor,
+        visible: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Online-softmax attention with sinks over listed rows, then visible entries (see ``Kernels.entry_attention``)."""
+        if q.shape[0] == 0 or table.shape[-1] == 0 or not _model_dtypes(q, kv):
+            return super().entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale)
+        check_device("entry_attention", q, kv, indices, table, token_seq, visible, sinks)
+        from .triton_long_context import entry_attention
+
+        return entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale)
+
     def candidate_blocks(self, scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
         """Block maxima, then the top blocks by bisection on their keys, without a host sync (see ``Kernels.candidate_blocks``)."""
         if scores.numel() == 0 or scores.dtype not in MODEL_DTYPES or topk_blocks < 1 or block_size < 1:

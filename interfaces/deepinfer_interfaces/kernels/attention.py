@@ -5,14 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import acc_dtype, op
-
-
-def take_rows(pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``pool[indices]`` with ``-1`` rows read as some finite row: for callers that give those rows
-    zero weight themselves (a masked score), which saves a pass over the gathered rows."""
-    if pool.shape[0] == 0 or indices.numel() == 0:
-        return pool.new_zeros((*indices.shape, *pool.shape[1:]))
-    return pool[indices.clamp(min=0)]
+from .tiles import TILE_ELEMENTS, entry_tiles, take_rows, token_tiles
 
 
 class AttentionOps:
@@ -44,10 +37,83 @@ class AttentionOps:
         if t == 0 or indices.shape[1] == 0:
             return q.new_zeros(t, h, d)
         acc = acc_dtype(q)
-        rows = take_rows(kv, indices).to(acc)  # [T, K, D]; padded rows get zero probability below
-        scores = torch.einsum("thd,tkd->thk", q.to(acc), rows) * scale
-        scores = scores.masked_fill((indices < 0)[:, None, :], float("-inf"))
-        sink = sinks.to(acc)[None, :, None].expand(t, h, 1)
-        logits = torch.cat([scores, sink], dim=-1)
-        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
-        return torch.einsum("thk,tkd->thd", probs, rows).to(q.dtype)
+        # token tiles keep the gathered rows [tt, K, D] within a fixed bound however many tokens a chunk has
+        per_tile = max(1, TILE_ELEMENTS // max(indices.shape[1] * max(d, h), 1))
+        outs = []
+        for t0 in range(0, t, per_tile):
+            idx = indices[t0 : t0 + per_tile]
+            rows = take_rows(kv, idx).to(acc)  # [tt, K, D]; padded rows get zero probability below
+            scores = torch.einsum("thd,tkd->thk", q[t0 : t0 + per_tile].to(acc), rows) * scale
+            scores = scores.masked_fill((idx < 0)[:, None, :], float("-inf"))
+            sink = sinks.to(acc)[None, :, None].expand(idx.shape[0], h, 1)
+            logits = torch.cat([scores, sink], dim=-1)
+            probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+            outs.append(torch.einsum("thk,tkd->thd", probs, rows))
+        return torch.cat(outs).to(q.dtype)
+
+    @op
+    def entry_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        indices: torch.Tensor,
+        table: torch.Tensor,
+        token_seq: torch.Tensor,
+        visible: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """``sparse_attention`` over a token's listed rows and every compressed entry it sees.
+
+        ``q`` ``[T, H, D]``, ``kv`` ``[P, D]``, ``indices`` ``[T, K]`` listed rows
+        (the sliding window; ``-1`` padding), ``sinks`` ``[H]`` and ``scale`` as in
+        ``sparse_attention``. Token ``t`` also attends to the entries
+        ``j < visible[t]`` of its sequence: the rows ``table[token_seq[t], j]`` of
+        ``kv`` (``table`` ``[B, N]``; ``-1`` names no row and is skipped). Equal to
+        ``sparse_attention`` over the listed rows followed by those entry rows.
+
+        Walks the entries in tiles with a running softmax (running max, sum and
+        weighted rows), so its memory is bounded whatever ``N``: heavily
+        compressed attention over a million-token context never gathers
+        ``[T, N, D]``. Computed in fp32 (fp64 for fp64 inputs); returned in ``q.dtype``.
+        """
+        t, h, d = q.shape
+        if t == 0:
+            return q.new_zeros(t, h, d)
+        acc = acc_dtype(q)
+        out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+        for t0, t1 in token_tiles(t):
+            qt = q[t0:t1].to(acc)
+            run = RunningSoftmax(sinks.to(acc), t1 - t0, d)
+            idx = indices[t0:t1]
+            if idx.shape[1]:
+                rows = take_rows(kv, idx).to(acc)
+                scores = torch.bmm(qt, rows.transpose(1, 2)).mul_(scale)
+                run.absorb(scores.masked_fill_((idx < 0)[:, None, :], float("-inf")), lambda p: torch.bmm(p, rows))
+            for tile in entry_tiles(kv, table, token_seq[t0:t1], visible[t0:t1], h, acc):
+                scores = tile.dots(qt).mul_(scale)
+                run.absorb(scores.masked_fill_(tile.invalid[:, None, :], float("-inf")), tile.weighted_rows)
+            out[t0:t1] = run.result().to(q.dtype)
+        return out
+
+
+class RunningSoftmax:
+    """A softmax-weighted sum of rows taken in tiles: the running maximum, sum and weighted rows per token
+    and head. The sink starts it (maximum = sink, sum = 1, no value), so it needs no special case."""
+
+    def __init__(self, sinks: torch.Tensor, tokens: int, dim: int) -> None:
+        self.top = sinks[None, :].expand(tokens, -1).clone()
+        self.total = torch.ones_like(self.top)
+        self.acc = torch.zeros(tokens, sinks.shape[0], dim, dtype=sinks.dtype, device=sinks.device)
+
+    def absorb(self, scores: torch.Tensor, weigh) -> None:
+        """Take in ``scores`` ``[t, H, n]`` (``-inf``: no row); ``weigh(p)`` gives ``Σ_n p · row``."""
+        top = torch.maximum(self.top, scores.amax(-1))
+        keep = torch.exp(self.top - top)
+        p = torch.exp(scores - top[..., None])
+        self.total = self.total * keep + p.sum(-1)
+        self.acc = self.acc * keep[..., None] + weigh(p)
+        self.top = top
+
+    def result(self) -> torch.Tensor:
+        return self.acc / self.total[..., None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import take_rows
+from .tiles import take_rows
 from .base import acc_dtype, op
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import take_rows
+from .tiles import entry_tiles, take_rows, token_tiles
 from .base import acc_dtype, op
 
 
@@ -60,6 +60,48 @@ class IndexerOps:
         return out
 
     @op
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        table: torch.Tensor,
+        token_seq: torch.Tensor,
+        visible: torch.Tensor,
+        scale: float,
+        k: int,
+    ) -> torch.Tensor:
+        """The ``k`` entries of highest indexer score each token sees: ``indexer_scores`` and
+        ``topk_select`` fused, over per-sequence tables instead of per-token lists.
+
+        ``q`` ``[T, H, D]``, ``weights`` ``[T, H]``, ``keys`` ``[P, D]`` and ``scale``
+        as in ``indexer_scores``. Token ``t`` sees the entries ``j < visible[t]`` of
+        its sequence, whose keys are the rows ``table[token_seq[t], j]`` of ``keys``
+        (``table`` ``[B, N]``; ``-1`` names no row: not a candidate). Returns
+        ``[T, k]`` int64 entry numbers ``j`` in descending score order, equal scores
+        by the lower ``j`` (``topk_select``'s column order), ``-1`` past the
+        candidates a token has.
+
+        Scores one tile of entries at a time and merges it into a running top-k,
+        so its memory is bounded whatever ``N`` (a million-token context's
+        ``[T, N]`` scores never exist).
+        """
+        t = q.shape[0]
+        out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)
+        if t == 0 or k == 0 or table.shape[1] == 0:
+            return out
+        acc = acc_dtype(q)
+        heads = q.shape[1]
+        for t0, t1 in token_tiles(t):
+            qt, wt = q[t0:t1].to(acc), weights[t0:t1].to(acc)[:, None, :]
+            best = RunningTopk(t1 - t0, k, acc, q.device)
+            for tile in entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc):
+                scores = torch.bmm(wt, tile.dots(qt).relu_()).squeeze(1).mul_(scale)
+                best.merge(scores.masked_fill_(tile.invalid, float("-inf")), tile.start)
+            out[t0:t1] = best.entries()
+        return out
+
+    @op
     def candidate_blocks(self, scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
         """The columns of the ``topk_blocks`` best blocks of each row (V4.1's candidate source).
 
@@ -94,3 +136,45 @@ class IndexerOps:
         rank = torch.empty_like(order).scatter_(1, order, ids.expand(t, nb).contiguous())
         kept = (rank < topk_blocks) & (pinned | (best > float("-inf")))
         return kept.repeat_interleave(block_size, dim=1)[:, :n]
+
+
+class RunningTopk:
+    """The ``k`` best entries seen so far of ``tokens`` rows, merged tile by tile.
+
+    A tile is cut to its own best ``k`` by selection (``torch.topk``), whose
+    order among equal scores is unspecified; the scores tied at the cut are then
+    re-chosen as the lowest-numbered entries with that score (a second selection,
+    over their negated numbers), so the result keeps the tie rule exactly. The
+    small merge with the running best is a stable sort by entry, then by score.
+    """
+
+    def __init__(self, tokens: int, k: int, dtype: torch.dtype, device) -> None:
+        self.k = k
+        self.scores = torch.full((tokens, k), float("-inf"), dtype=dtype, device=device)
+        self.ids = torch.full((tokens, k), -1, dtype=torch.int64, device=device)
+
+    def merge(self, scores: torch.Tensor, first: int) -> None:
+        """Take in ``scores`` ``[tokens, n]`` of the entries ``first …`` (``-inf``: not a candidate)."""
+        n = scores.shape[1]
+        take = min(self.k, n)
+        best, cols = scores.topk(take, dim=1)
+        cut = best[:, -1:]
+        above = best > cut
+        negated = -torch.arange(n, device=scores.device, dtype=scores.dtype)[None, :]
+        tied = torch.where(scores == cut, negated, float("-inf")).topk(take, dim=1).values  # lowest numbers first
+        room = take - above.sum(1, keepdim=True)
+        slot = torch.arange(take, device=scores.device)[None, :]
+        tie_ok = (slot < room) & (tied > float("-inf"))
+        strict = best.masked_fill(~above, float("-inf"))  # the tile's picks above the cut
+        at_cut = cut.expand(-1, take).masked_fill(~tie_ok, float("-inf"))  # and the lowest-numbered ones at it
+        cand_scores = torch.cat([self.scores, strict, at_cut], dim=1)
+        cand_ids = torch.cat([self.ids, cols + first, (-tied).clamp(min=0).to(torch.int64) + first], dim=1)
+        # equal scores in entry order: sort by entry, then stably by score
+        by_id = torch.sort(torch.where(cand_scores > float("-inf"), cand_ids, torch.iinfo(torch.int64).max), dim=1).indices
+        cand_scores, cand_ids = cand_scores.gather(1, by_id), cand_ids.gather(1, by_id)
+        order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, : self.k]
+        self.scores, self.ids = cand_scores.gather(1, order), cand_ids.gather(1, order)
+
+    def entries(self) -> torch.Tensor:
+        """``[tokens, k]`` entry numbers, best first, -1 where no candidate is left."""
+        return torch.where(self.scores > float("-inf"), self.ids, -1)

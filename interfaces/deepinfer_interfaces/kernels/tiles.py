@@ -1,0 +1,110 @@
+"""Tiles over tokens and over each sequence's compressed entries, so that an op's working memory has a
+fixed bound whatever the context length.
+
+The ops reading every entry a token sees (the indexer's top-k, attention over all
+compressed entries) take per-sequence tables ``[B, N]`` of pool rows, each
+token's sequence ``token_seq [T]`` and its ``visible [T]`` count, and walk them
+in tiles of ``TILE_TOKENS`` tokens by ``entry_tile(...)`` entries, never building
+a ``[T, N]`` tensor. Tile sizes depend only on tensor shapes, so a captured graph
+unrolls the same loop every replay and nothing is read back from the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+def take_rows(pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``pool[indices]`` with ``-1`` rows read as some finite row: for callers that give those rows
+    zero weight themselves (a masked score), which saves a pass over the gathered rows."""
+    if pool.shape[0] == 0 or indices.numel() == 0:
+        return pool.new_zeros((*indices.shape, *pool.shape[1:]))
+    return pool[indices.clamp(min=0)]
+
+
+#: the elements one tile's largest intermediate may hold (16 MiB in fp32)
+TILE_ELEMENTS = 1 << 22
+#: tokens per tile
+TILE_TOKENS = 256
+#: with this many sequences or fewer a tile's keys are read once per sequence and met by a matmul of
+#: every token against every sequence's keys (a prefill chunk); beyond it each token reads its own rows
+SHARED_KEY_SEQS = 4
+
+
+def entry_tile(tokens: int, seqs: int, heads: int, dim: int, entries: int) -> int:
+    """Entries per tile for ``tokens`` tokens of ``seqs`` sequences, ``heads`` scores per token-entry
+    pair over rows ``dim`` wide: the tile's intermediates hold at most ``TILE_ELEMENTS``, at most ``entries``."""
+    if seqs <= SHARED_KEY_SEQS:
+        per_entry = tokens * seqs * heads + seqs * dim  # every token's scores against every sequence, and the rows
+    else:
+        per_entry = tokens * (heads + dim)  # each token's scores and its own rows
+    return max(1, min(entries, TILE_ELEMENTS // max(per_entry, 1)))
+
+
+@dataclass
+class EntryTile:
+    """One tile of entries ``[start, end)`` for one tile of tokens."""
+
+    start: int
+    end: int
+    #: ``[tt, n]`` bool: not a candidate (beyond what the token sees, or a table row naming no pool row)
+    invalid: torch.Tensor
+    #: ``[B, n, D]`` rows of each sequence (shared keys) or ``[tt, n, D]`` rows of each token
+    rows: torch.Tensor
+    #: ``[tt]`` each token's sequence, or None when ``rows`` are per token
+    seq: torch.Tensor | None
+
+    def dots(self, q: torch.Tensor) -> torch.Tensor:
+        """``[tt, H, n]``: ``q [tt, H, D]`` against each token's rows of the tile."""
+        tt, h, d = q.shape
+        if self.seq is None:
+            return torch.bmm(q, self.rows.transpose(1, 2))
+        if self.rows.shape[0] == 1:  # one sequence (a prefill chunk): one matmul
+            return (q.reshape(tt * h, d) @ self.rows[0].T).view(tt, h, -1)
+        every = torch.einsum("thd,bnd->tbhn", q, self.rows)
+        pick = self.seq[:, None, None, None].expand(-1, 1, every.shape[2], every.shape[3])
+        return every.gather(1, pick).squeeze(1)
+
+    def weighted_rows(self, p: torch.Tensor) -> torch.Tensor:
+        """``[tt, H, D]``: ``Σ_n p[t, h, n] · row[t, n]`` for weights ``p [tt, H, n]``."""
+        tt, h, n = p.shape
+        if self.seq is None:
+            return torch.bmm(p, self.rows)
+        if self.rows.shape[0] == 1:
+            return (p.reshape(tt * h, n) @ self.rows[0]).view(tt, h, -1)
+        spread = p.new_zeros(tt, self.rows.shape[0], h, n)
+        spread.scatter_(1, self.seq[:, None, None, None].expand(-1, 1, h, n), p[:, None])
+        return torch.einsum("tbhn,bnd->thd", spread, self.rows)
+
+
+def token_tiles(tokens: int) -> Iterator[tuple[int, int]]:
+    """``[start, end)`` of each tile of tokens."""
+    for t0 in range(0, tokens, TILE_TOKENS):
+        yield t0, min(tokens, t0 + TILE_TOKENS)
+
+
+def entry_tiles(
+    pool: torch.Tensor, table: torch.Tensor, seq: torch.Tensor, visible: torch.Tensor, heads: int, dtype: torch.dtype
+) -> Iterator[EntryTile]:
+    """The tiles of entries of ``table [B, N]`` seen by a tile of tokens (``seq``, ``visible``: ``[tt]``),
+    their rows of ``pool`` read in ``dtype``; ``heads``: scores per token-entry pair."""
+    b, n = table.shape
+    tt = seq.shape[0]
+    step = entry_tile(tt, b, heads, pool.shape[-1], n)
+    shared = b <= SHARED_KEY_SEQS
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        part = table[:, n0:n1]
+        beyond = torch.arange(n0, n1, device=table.device)[None, :] >= visible[:, None]
+        if shared:
+            missing = part < 0
+            invalid = beyond | (missing if b == 1 else missing.index_select(0, seq))
+            rows = take_rows(pool, part)
+        else:
+            mine = part.index_select(0, seq)
+            invalid = beyond | (mine < 0)
+            rows = take_rows(pool, mine)
+        yield EntryTile(n0, n1, invalid, rows.to(dtype), seq if shared else None)
