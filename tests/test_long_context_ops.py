@@ -83,3 +83,18 @@ def test_entry_attention_with_nothing_to_attend_returns_zeros():
     out = K.entry_attention(q, torch.randn(4, 8), torch.full((3, 2), -1), torch.zeros(1, 3, dtype=torch.int64),
                             torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), torch.randn(2), 1.0)
     assert torch.equal(out, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("seqs", [1, SHARED_KEY_SEQS + 2])
+@pytest.mark.parametrize("integer", [False, True], ids=["random", "integer_ties"])
+def test_indexer_block_topk_keeps_the_blocks_candidate_blocks_masks(seqs, integer):
+    """V4.1's candidate source as a block list, tiled: the blocks ``candidate_blocks`` keeps over every score."""
+    p = _problem(seqs, 2200, TILE_TOKENS + 9, 16, 16, integer, seed=5)
+    per_token = _per_token(p["table"], p["token_seq"], p["visible"])
+    scores = K.indexer_scores(p["q"], p["weights"], p["keys"], per_token, 0.5)
+    for topk_blocks, block_size in ((6, 8), (40, 4)):
+        mask = K.candidate_blocks(scores, p["visible"], topk_blocks, block_size)
+        got = K.indexer_block_topk(**p, scale=0.5, topk_blocks=topk_blocks, block_size=block_size)
+        for row, kept in zip(mask, got.tolist()):
+            blocks = sorted(set((torch.nonzero(row).flatten() // block_size).tolist()))
+            assert kept == blocks + [-1] * (topk_blocks - len(blocks))

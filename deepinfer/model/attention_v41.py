@@ -41,8 +41,16 @@ class SharedIndices:
 
     #: ``[T, K]`` kv-pool rows of the entries the last index source picked (-1: none)
     topk: torch.Tensor | None = None
-    #: ``[T, N]`` bool: the entries inside the candidate source's kept blocks
+    #: ``[T, topk_blocks]`` the candidate source's kept blocks, ascending (-1: none)
     candidates: torch.Tensor | None = None
+
+
+def candidate_entries(blocks: torch.Tensor, block_size: int, visible: torch.Tensor) -> torch.Tensor:
+    """``[T, Kb · block_size]`` the entry numbers of the kept ``blocks`` ``[T, Kb]`` (ascending, as the blocks
+    are), -1 for a missing block and past what each token sees: a reader's bounded candidate list."""
+    entries = (blocks[:, :, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten(1)
+    ok = (blocks[:, :, None] >= 0).expand(-1, -1, block_size).flatten(1) & (entries < visible[:, None])
+    return torch.where(ok, entries, -1)
 
 
 def offset_rows(rows: torch.Tensor, base: int) -> torch.Tensor:
@@ -112,16 +120,15 @@ class SharedIndexer(ParamTree):
         q = linear(k, q_lat, self.wq_b).view(q_lat.shape[0], self.heads, self.dim)
         q = k.rope(q, meta.cos, meta.sin)
         weights, keys, topk = head_weights * self.heads**-0.5, cache.index_pool(source), min(self.topk, meta.entries)
-        if self.candidates is None or (self.candidates == "read" and shared.candidates is None):
-            picks = k.indexer_topk(q, weights, keys, meta.seq_index, meta.token_seq, meta.visible, self.dim**-0.5, topk)
-            return meta.entry_rows(picks)
-        # two-level top-k: the candidate mask spans every entry ([T, N])
-        scores = k.indexer_scores(q, weights, keys, meta.visible_rows(index=True), self.dim**-0.5)
+        scale, tables = self.dim**-0.5, (meta.seq_index, meta.token_seq, meta.visible)
+        if self.candidates == "read" and shared.candidates is not None:
+            # two-level top-k: score only the entries of the candidate source's kept blocks
+            entries = candidate_entries(shared.candidates, self.block_size, meta.visible)
+            scores = k.indexer_scores(q, weights, keys, meta.entry_rows(entries, index=True), scale)
+            return meta.entry_rows(k.topk_select(scores, entries, topk))
         if self.candidates == "source":
-            shared.candidates = k.candidate_blocks(scores, meta.visible, self.topk_blocks, self.block_size)
-        else:
-            scores = scores.masked_fill(~shared.candidates, float("-inf"))
-        return k.topk_select(scores, meta.visible_rows(), topk)
+            shared.candidates = k.indexer_block_topk(q, weights, keys, *tables, scale, self.topk_blocks, self.block_size)
+        return meta.entry_rows(k.indexer_topk(q, weights, keys, *tables, scale, topk))
 
 
 class SharedAttention(LatentAttention):

@@ -75,13 +75,6 @@ class LayerMeta:
         rows = table[self.token_seq[:, None], entries.clamp(0, table.shape[1] - 1)]
         return torch.where(entries >= 0, rows, -1)
 
-    def visible_rows(self, index: bool = False) -> torch.Tensor:
-        """``[T, N]`` pool rows of the entries each token sees (-1 past them), for an op that takes per-token
-        lists; it grows with the context, so only V4.1's candidate blocks use it."""
-        table = self.seq_index if index else self.seq_kv
-        seen = torch.arange(table.shape[1], device=table.device)[None, :] < self.visible[:, None]
-        return torch.where(seen, table.index_select(0, self.token_seq), -1)
-
 
 def build_layer_metas(inputs: ForwardInputs, geometry: CacheGeometry, rope_main: Rotary, rope_compress: Rotary) -> dict[str, LayerMeta]:
     """One ``LayerMeta`` per cache kind present."""

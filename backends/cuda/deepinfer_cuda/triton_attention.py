@@ -43,16 +43,10 @@ def _prune(configs: list[triton.Config], nargs: dict, **_: object) -> list[trito
 _SLICE_QUANTUM = choose(64, 4)
 
 
-@triton.autotune(configs=_configs(), key=["H", "D", "SPLIT"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def _sparse_attention_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, part_m_ptr, part_l_ptr,
-    H, D, K, N, SLICE, qk_scale,
-    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
-    SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # axis 0 walks the head blocks of one token before the next token, so they share its rows in L2
+def head_block_query(q_ptr, H, D, stride_qt, stride_qh, DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's token, slice, head block and channels, and the block's queries ``[BLOCK_H, BLOCK_D]``
+    (axis 0 walks the head blocks of one token before the next token, so they share its rows in L2)."""
     head_blocks = tl.cdiv(H, BLOCK_H)
     hb = tl.program_id(0) % head_blocks
     t = (tl.program_id(0) // head_blocks).to(tl.int64)
@@ -65,14 +59,66 @@ def _sparse_attention_kernel(
         q_ptr + t * stride_qt + heads[:, None].to(tl.int64) * stride_qh + d[None, :],
         mask=h_ok[:, None] & d_ok[None, :], other=0.0,
     ).to(DOT)
+    return t, sl, heads, h_ok, d, d_ok, q
+
+
+@triton.jit
+def softmax_start(sink_ptr, heads, h_ok, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The running (max, sum, output) of a head block: the sink as the starting maximum with weight
+    ``exp(0) = 1`` (no value), or empty for a slice whose merge adds the sink."""
     if SPLIT:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
     else:
-        # the sink is one more logit with no value: start the running max at it, with weight exp(0) = 1
         m_i = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
         l_i = tl.full([BLOCK_H], 1.0, tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    return m_i, l_i, tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+
+@triton.jit
+def softmax_absorb(q, rows, ok, m_i, l_i, acc, qk_scale, DOT: tl.constexpr, PREC: tl.constexpr):
+    """One tile of ``rows`` (``ok``: a real row) into the running softmax of ``q``'s heads (log2 domain)."""
+    s = tl.dot(q, tl.trans(rows), input_precision=PREC) * qk_scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # a row that has seen only -inf keeps l = 0; shifting by 0 there avoids inf - inf
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - shift[:, None])
+    alpha = tl.exp2(m_i - shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), rows, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def softmax_store(
+    out_ptr, part_m_ptr, part_l_ptr, m_i, l_i, acc, t, sl, heads, h_ok, d, d_ok, H, D, stride_ot, stride_oh,
+    SPLIT: tl.constexpr,
+):
+    """The normalised output, or a slice's partial results: out ``[T, S, H, D]`` fp32 unnormalised, m and
+    l ``[T, S, H]`` (what ``_merge_slices_kernel`` reads)."""
+    o_ptrs = out_ptr + t * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :]
+    o_mask = h_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        stat = (t * tl.num_programs(1) + sl) * H + heads
+        tl.store(part_m_ptr + stat, m_i, mask=h_ok)
+        tl.store(part_l_ptr + stat, l_i, mask=h_ok)
+        tl.store(o_ptrs + sl.to(tl.int64) * H * D, acc, mask=o_mask)
+    else:
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.autotune(configs=_configs(), key=["H", "D", "SPLIT"], prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, part_m_ptr, part_l_ptr,
+    H, D, K, N, SLICE, qk_scale,
+    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
+    SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    t, sl, heads, h_ok, d, d_ok, q = head_block_query(q_ptr, H, D, stride_qt, stride_qh, DOT, BLOCK_H, BLOCK_D)
+    m_i, l_i, acc = softmax_start(sink_ptr, heads, h_ok, SPLIT, BLOCK_H, BLOCK_D)
     start = sl * SLICE
     end = tl.minimum(start + SLICE, K)
     for n0 in range(start, end, BLOCK_N):
@@ -82,26 +128,8 @@ def _sparse_attention_kernel(
         rows = tl.load(
             kv_ptr + idx[:, None] * stride_kv + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
         ).to(DOT)
-        s = tl.dot(q, tl.trans(rows), input_precision=PREC) * qk_scale  # log2 domain
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row that has seen only -inf keeps l = 0; shifting by 0 there avoids inf - inf
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - shift[:, None])
-        alpha = tl.exp2(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), rows, input_precision=PREC)
-        m_i = m_new
-    o_ptrs = out_ptr + t * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :]
-    o_mask = h_ok[:, None] & d_ok[None, :]
-    if SPLIT:
-        # partial results: out [T, S, H, D] fp32 unnormalised, m and l [T, S, H]
-        stat = (t * tl.num_programs(1) + sl) * H + heads
-        tl.store(part_m_ptr + stat, m_i, mask=h_ok)
-        tl.store(part_l_ptr + stat, l_i, mask=h_ok)
-        tl.store(o_ptrs + sl.to(tl.int64) * H * D, acc, mask=o_mask)
-    else:
-        tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+        m_i, l_i, acc = softmax_absorb(q, rows, ok, m_i, l_i, acc, qk_scale, DOT, PREC)
+    softmax_store(out_ptr, part_m_ptr, part_l_ptr, m_i, l_i, acc, t, sl, heads, h_ok, d, d_ok, H, D, stride_ot, stride_oh, SPLIT)
 
 
 @triton.jit

@@ -30,7 +30,10 @@ import triton
 import triton.language as tl
 
 from .launch import Tiles, autotune_configs, choose, next_power_of_2, num_warps_for, unit_inner
-from .triton_attention import LOG2E, _merge_slices_kernel, _prune, attention_slices, attention_tiles, merge_tiles
+from .triton_attention import (
+    LOG2E, _merge_slices_kernel, _prune, attention_slices, attention_tiles, head_block_query, merge_tiles, softmax_absorb,
+    softmax_start, softmax_store,
+)
 from .triton_common import dot_operands, split_count, target_programs
 from .triton_indexer import indexer_tiles
 
@@ -253,27 +256,8 @@ def _entry_attention_kernel(
     SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # axis 0 walks the head blocks of one token before the next token, so they share its rows in L2
-    head_blocks = tl.cdiv(H, BLOCK_H)
-    hb = tl.program_id(0) % head_blocks
-    t = (tl.program_id(0) // head_blocks).to(tl.int64)
-    sl = tl.program_id(1)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < H
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q = tl.load(
-        q_ptr + t * stride_qt + heads[:, None].to(tl.int64) * stride_qh + d[None, :],
-        mask=h_ok[:, None] & d_ok[None, :], other=0.0,
-    ).to(DOT)
-    if SPLIT:
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-    else:
-        # the sink is one more logit with no value: start the running max at it, with weight exp(0) = 1
-        m_i = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
-        l_i = tl.full([BLOCK_H], 1.0, tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    t, sl, heads, h_ok, d, d_ok, q = head_block_query(q_ptr, H, D, stride_qt, stride_qh, DOT, BLOCK_H, BLOCK_D)
+    m_i, l_i, acc = softmax_start(sink_ptr, heads, h_ok, SPLIT, BLOCK_H, BLOCK_D)
     seq = tl.load(seq_ptr + t)
     # the token's list: positions [0, K) are its listed rows, [K, K + visible) its entries' rows
     seen = tl.maximum(tl.minimum(tl.load(vis_ptr + t), N), 0).to(tl.int32)
@@ -287,26 +271,8 @@ def _entry_attention_kernel(
         row = tl.where(listed, idx, entry)
         ok = (row >= 0) & (row < P)
         rows = tl.load(kv_ptr + row[:, None] * stride_kv + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
-        s = tl.dot(q, tl.trans(rows), input_precision=PREC) * qk_scale  # log2 domain
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row that has seen only -inf keeps l = 0; shifting by 0 there avoids inf - inf
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - shift[:, None])
-        alpha = tl.exp2(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), rows, input_precision=PREC)
-        m_i = m_new
-    o_ptrs = out_ptr + t * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :]
-    o_mask = h_ok[:, None] & d_ok[None, :]
-    if SPLIT:
-        # partial results, as triton_attention's merge reads them: out [T, S, H, D] fp32 unnormalised, m and l [T, S, H]
-        stat = (t * tl.num_programs(1) + sl) * H + heads
-        tl.store(part_m_ptr + stat, m_i, mask=h_ok)
-        tl.store(part_l_ptr + stat, l_i, mask=h_ok)
-        tl.store(o_ptrs + sl.to(tl.int64) * H * D, acc, mask=o_mask)
-    else:
-        tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+        m_i, l_i, acc = softmax_absorb(q, rows, ok, m_i, l_i, acc, qk_scale, DOT, PREC)
+    softmax_store(out_ptr, part_m_ptr, part_l_ptr, m_i, l_i, acc, t, sl, heads, h_ok, d, d_ok, H, D, stride_ot, stride_oh, SPLIT)
 
 
 def entry_attention(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiles import entry_tiles, take_rows, token_tiles
+from .tiles import EntryTile, entry_tiles, take_rows, token_tiles
 from .base import acc_dtype, op
 
 
@@ -96,9 +96,59 @@ class IndexerOps:
             qt, wt = q[t0:t1].to(acc), weights[t0:t1].to(acc)[:, None, :]
             best = RunningTopk(t1 - t0, k, acc, q.device)
             for tile in entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc):
-                scores = torch.bmm(wt, tile.dots(qt).relu_()).squeeze(1).mul_(scale)
-                best.merge(scores.masked_fill_(tile.invalid, float("-inf")), tile.start)
+                best.merge(tile_scores(tile, qt, wt, scale), tile.start)
             out[t0:t1] = best.entries()
+        return out
+
+    @op
+    def indexer_block_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        table: torch.Tensor,
+        token_seq: torch.Tensor,
+        visible: torch.Tensor,
+        scale: float,
+        topk_blocks: int,
+        block_size: int,
+    ) -> torch.Tensor:
+        """V4.1's candidate blocks over per-sequence tables: ``candidate_blocks`` of the indexer scores,
+        as a list of blocks instead of a ``[T, N]`` mask.
+
+        Inputs as in ``indexer_topk``. Block ``b`` covers a token's entries
+        ``[b·block_size, (b+1)·block_size)``; its score is the highest indexer score
+        among them (``-inf`` with no candidate). The block holding entry
+        ``visible[t] − 1`` is pinned (kept, ranked first); then the highest-scoring
+        blocks, equal scores to the lower block; a ``-inf`` block is never kept
+        unless pinned. Returns ``[T, topk_blocks]`` int64 block numbers in
+        ascending order, ``-1`` after the kept ones. Scored in tiles of whole
+        blocks with a running top-k, so its memory is bounded whatever ``N``.
+        """
+        if topk_blocks < 1 or block_size < 1:
+            raise ValueError(f"indexer_block_topk: topk_blocks and block_size must be >= 1, got {topk_blocks} and {block_size}")
+        t = q.shape[0]
+        out = torch.full((t, topk_blocks), -1, dtype=torch.int64, device=q.device)
+        if t == 0 or table.shape[1] == 0:
+            return out
+        acc = acc_dtype(q)
+        heads = q.shape[1]
+        for t0, t1 in token_tiles(t):
+            qt, wt = q[t0:t1].to(acc), weights[t0:t1].to(acc)[:, None, :]
+            pinned = torch.div(visible[t0:t1] - 1, block_size, rounding_mode="floor").masked_fill(visible[t0:t1] <= 0, -1)
+            best = RunningTopk(t1 - t0, topk_blocks, acc, q.device)
+            for tile in entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc, align=block_size):
+                scores = tile_scores(tile, qt, wt, scale)
+                blocks = -(-scores.shape[1] // block_size)
+                padded = torch.nn.functional.pad(scores, (0, blocks * block_size - scores.shape[1]), value=float("-inf"))
+                maxima = padded.view(t1 - t0, blocks, block_size).amax(-1)
+                first = tile.start // block_size
+                ids = torch.arange(first, first + blocks, device=q.device)
+                best.merge(maxima.masked_fill_(ids[None, :] == pinned[:, None], float("inf")), first)
+            kept = best.entries()
+            last = torch.iinfo(torch.int64).max  # -1 sorts after every kept block
+            ordered = torch.sort(kept.masked_fill(kept < 0, last), dim=1).values
+            out[t0:t1] = ordered.masked_fill(ordered == last, -1)
         return out
 
     @op
@@ -136,6 +186,13 @@ class IndexerOps:
         rank = torch.empty_like(order).scatter_(1, order, ids.expand(t, nb).contiguous())
         kept = (rank < topk_blocks) & (pinned | (best > float("-inf")))
         return kept.repeat_interleave(block_size, dim=1)[:, :n]
+
+
+def tile_scores(tile: EntryTile, q: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[tt, n]`` indexer scores of a tile's entries (``-inf``: not a candidate) for ``q`` ``[tt, H, D]``
+    and ``weights`` ``[tt, 1, H]``."""
+    scores = torch.bmm(weights, tile.dots(q).relu_()).squeeze(1).mul_(scale)
+    return scores.masked_fill_(tile.invalid, float("-inf"))
 
 
 class RunningTopk:

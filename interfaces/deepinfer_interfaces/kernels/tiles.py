@@ -87,13 +87,15 @@ def token_tiles(tokens: int) -> Iterator[tuple[int, int]]:
 
 
 def entry_tiles(
-    pool: torch.Tensor, table: torch.Tensor, seq: torch.Tensor, visible: torch.Tensor, heads: int, dtype: torch.dtype
+    pool: torch.Tensor, table: torch.Tensor, seq: torch.Tensor, visible: torch.Tensor, heads: int, dtype: torch.dtype,
+    align: int = 1,
 ) -> Iterator[EntryTile]:
     """The tiles of entries of ``table [B, N]`` seen by a tile of tokens (``seq``, ``visible``: ``[tt]``),
-    their rows of ``pool`` read in ``dtype``; ``heads``: scores per token-entry pair."""
+    their rows of ``pool`` read in ``dtype``; ``heads``: scores per token-entry pair; every tile but the
+    last starts and ends on a multiple of ``align`` (whole blocks of entries)."""
     b, n = table.shape
     tt = seq.shape[0]
-    step = entry_tile(tt, b, heads, pool.shape[-1], n)
+    step = max(align, entry_tile(tt, b, heads, pool.shape[-1], n) // align * align)
     shared = b <= SHARED_KEY_SEQS
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)

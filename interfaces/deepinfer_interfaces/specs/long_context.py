@@ -1,5 +1,5 @@
 """Cases of the ops that read every entry a token sees through per-sequence tables (``indexer_topk``,
-``entry_attention``): -1 table rows, nothing visible, k beyond the candidates, more sequences
+``indexer_block_topk``, ``entry_attention``): -1 table rows, nothing visible, k beyond the candidates, more sequences
 than share their keys, integer inputs whose equal scores test the tie rule, one-token decodes
 at V4-Flash's sizes, and long contexts (32,768 CSA entries and 8,192 HCA entries: a
 million tokens at ratios 4 and 128, far more entries than one tile holds); empty batches."""
@@ -71,6 +71,53 @@ def _picked_scores(kwargs: dict, picks: torch.Tensor) -> tuple[torch.Tensor, ...
     return (scores, picks) if exact else (scores,)
 
 
+def _block_cases() -> list[Case]:
+    g = seeded(23)
+    ties = _topk_args(g, 6, 2, 4, 2, 40, 0)
+    ties.update(q=_integer(g, 6, 2, 4), weights=_integer(g, 6, 2, low=1, high=3), keys=_integer(g, ties["keys"].shape[0], 4), scale=0.5)
+
+    def blocks(args: dict, topk_blocks: int, block_size: int) -> dict:
+        return {**{n: v for n, v in args.items() if n != "k"}, "topk_blocks": topk_blocks, "block_size": block_size}
+
+    return [
+        Case("t9_b2_holes_pinned_and_nothing_visible", blocks(_topk_args(g, 9, 3, 8, 2, 37, 0, holes=6, visible=[0, 37, 1, 12, 29, 33, 7, 0, 26]), 3, 4)),
+        Case("every_block_kept", blocks(_topk_args(g, 4, 2, 8, 1, 20, 0, visible=[20, 13, 4, 1]), 8, 4)),
+        Case("b6_each_token_its_rows", blocks(_topk_args(g, 12, 2, 8, 6, 50, 0), 4, 8)),
+        Case("integer_inputs_equal_scores_lower_block", blocks(ties, 3, 4)),
+        Case("one_token_v41_h64_d128_block8_top64", blocks(_topk_args(g, 1, INDEX_HEADS, INDEX_HEAD_DIM, 1, 700, 0, visible=[690]), 64, 8)),
+        Case("t2_long_context_32768_entries_block8_top256", blocks(_topk_args(g, 2, 4, 16, 1, 32768, 0, visible=[32768, 20001]), 256, 8)),
+        Case("no_entries", blocks(dict(_topk_args(g, 3, 2, 8, 1, 4, 0), table=torch.empty(1, 0, dtype=torch.int64), visible=torch.zeros(3, dtype=torch.int64)), 2, 4)),
+    ]
+
+
+def _picked_blocks(kwargs: dict, picks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each row's kept blocks as their fp64 block scores, highest first (the pinned block as ``+inf``,
+    ``-inf`` past the kept ones), so a kernel may keep either of two near-equal blocks; with integer
+    inputs the block numbers themselves too (the tie rule)."""
+    from ..kernels import Kernels
+
+    f64 = lambda name: kwargs[name].detach().to("cpu", torch.float64)  # noqa: E731
+    q, weights, keys = f64("q"), f64("weights"), f64("keys")
+    table, seq, visible = (kwargs[n].detach().cpu() for n in ("table", "token_seq", "visible"))
+    picks, size = picks.detach().cpu(), int(kwargs["block_size"])
+    n = table.shape[1]
+    cols = torch.arange(n)
+    lists = torch.where(cols[None, :] < visible[:, None], table[seq], -1) if n else torch.empty(len(seq), 0, dtype=torch.int64)
+    scores = Kernels().indexer_scores(q, weights, keys, lists, float(kwargs["scale"]))  # [T, N]
+    blocks = -(-n // size) if n else 0
+    padded = torch.nn.functional.pad(scores, (0, blocks * size - n), value=float("-inf"))
+    maxima = padded.view(len(seq), blocks, size).amax(-1) if blocks else padded.new_empty(len(seq), 0)
+    pinned = torch.div(visible - 1, size, rounding_mode="floor")
+    values = torch.full(picks.shape, float("-inf"), dtype=torch.float64)
+    ok = (picks >= 0) & (picks < blocks)
+    if blocks:
+        values = torch.where(ok, maxima.gather(1, picks.clamp(0, blocks - 1)), values)
+    values = torch.where(ok & (picks == pinned[:, None]) & (visible[:, None] > 0), float("inf"), values)
+    ranked = values.sort(dim=1, descending=True).values
+    exact = all(bool(torch.equal(t, t.round())) for t in (q, weights, keys))
+    return (ranked, picks) if exact else (ranked,)
+
+
 def _attention_args(g, tokens: int, heads: int, dim: int, seqs: int, entries: int, window: int, visible=None, holes: int = 0) -> dict:
     pool = seqs * entries + window * seqs + 3
     seq = torch.arange(tokens) % seqs
@@ -102,6 +149,10 @@ def _attention_cases() -> list[Case]:
 register(OpSpec(
     op="indexer_topk", cases=_topk_cases, cast=("q", "weights", "keys"), output=_picked_scores, rms_limits=RMS_LIMITS,
     rms_reason="the picks' scores sum 64 heads of 128-long dots: a kernel that keeps them in bf16 ranks by rounded scores",
+))
+register(OpSpec(
+    op="indexer_block_topk", cases=_block_cases, cast=("q", "weights", "keys"), output=_picked_blocks, rms_limits=RMS_LIMITS,
+    rms_reason="block scores are maxima of 64-head indexer sums: a kernel that keeps them in bf16 ranks blocks by rounded scores",
 ))
 register(OpSpec(
     op="entry_attention", cases=_attention_cases, cast=("q", "kv"), rms_limits=RMS_LIMITS,
