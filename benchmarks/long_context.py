@@ -11,7 +11,8 @@ seconds of the hit, bounded and exact. ``--svg FILE`` also draws seconds per chu
 against the context length.
 
 The indexer's work is quadratic in the context (every token scores every entry it sees), so on
-the CPU reference 512K and 1M tokens take hours; pass ``--contexts`` to choose.
+the CPU reference 1M tokens take about half an hour of the tiny config; pass ``--contexts`` to
+choose (a prompt needs three positions to spare: 1,046,528 is the largest round one under 2^20).
 """
 
 from __future__ import annotations
@@ -84,19 +85,23 @@ def main() -> None:
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",") if c]
     replays = [int(c) for c in args.replay_contexts.split(",") if c]
-    max_model_len = max(contexts + replays) + 1024
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_checkpoint(Path(tmp), "long_context")
+        # room for the prompt, its two tokens and the hit's one, within the model's position range
+        limit = json.loads((ckpt / "config.json").read_text())["max_position_embeddings"]
+        max_model_len = min(max(contexts + replays) + 1024, limit)
         points = []
-        print(f"{'context':>9} {'chunks':>6} {'last chunk s':>12} {'mean chunk s':>12} {'peak RSS MiB':>12} {'growth MiB':>10}")
+        print(f"{'context':>9} {'chunks':>6} {'last chunk s':>12} {'mean chunk s':>12} {'peak RSS MiB':>12} {'growth MiB':>10} "
+              f"{'exact hit s':>11}")
         for n in contexts:
             r = measure(ckpt, n, "exact", max_model_len, args.kv_budget, args.backend)
             chunks = r["step_s"][:-1]  # the last step decodes the second token
             point = dict(tokens=n, chunks=len(chunks), last_chunk_s=chunks[-1], mean_chunk_s=sum(chunks) / len(chunks),
-                         prefill_s=sum(chunks), peak_rss_mib=r["peak_rss_mib"], growth_mib=r["peak_rss_mib"] - r["rss_before_mib"])
+                         prefill_s=sum(chunks), peak_rss_mib=r["peak_rss_mib"], growth_mib=r["peak_rss_mib"] - r["rss_before_mib"],
+                         exact_hit_replayed=r["hit_replayed_tokens"], exact_hit_s=r["hit_s"], exact_hit_same_token=r["hit_token"] == r["generated"][1])
             points.append(point)
             print(f"{n:>9} {point['chunks']:>6} {point['last_chunk_s']:>12.3f} {point['mean_chunk_s']:>12.3f} "
-                  f"{point['peak_rss_mib']:>12.1f} {point['growth_mib']:>10.1f}")
+                  f"{point['peak_rss_mib']:>12.1f} {point['growth_mib']:>10.1f} {point['exact_hit_s']:>11.3f}")
         print(f"\n{'context':>9} {'replay':>7} {'cached':>8} {'replayed':>8} {'hit s':>8} {'same token':>10}")
         hits = []
         for n in replays:
