@@ -184,18 +184,24 @@ def attention_slices(tokens: int, heads: int, k: int, target: int) -> tuple[int,
     return triton.cdiv(k, slice_len), slice_len
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """``Kernels.sparse_attention`` on the device for ``T >= 1`` tokens and ``K >= 1`` indices."""
+def check_attention_shapes(
+    op: str, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, rows: str = "N"
+) -> None:
+    """One line naming the mismatch when ``q [T, H, D]``, ``kv [rows, D]``, ``indices [T, K]`` and ``sinks [H]`` disagree."""
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
-        raise ValueError(
-            f"sparse_attention: need q [T, H, D], kv [N, D], indices [T, K]; got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}"
-        )
+        raise ValueError(f"{op}: need q [T, H, D], kv [{rows}, D], indices [T, K]; got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}")
     tokens, heads, dim = q.shape
     if kv.shape[1] != dim or indices.shape[0] != tokens or tuple(sinks.shape) != (heads,):
         raise ValueError(
-            f"sparse_attention: kv must be [N, {dim}], indices [{tokens}, K] and sinks [{heads}]; "
+            f"{op}: kv must be [{rows}, {dim}], indices [{tokens}, K] and sinks [{heads}]; "
             f"got {tuple(kv.shape)}, {tuple(indices.shape)}, {tuple(sinks.shape)}"
         )
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """``Kernels.sparse_attention`` on the device for ``T >= 1`` tokens and ``K >= 1`` indices."""
+    check_attention_shapes("sparse_attention", q, kv, indices, sinks)
+    tokens, heads, dim = q.shape
     q = unit_inner(q)
     kv = unit_inner(kv)
     indices = indices.to(torch.int64)

@@ -29,6 +29,31 @@ def _prune(configs: list[triton.Config], nargs: dict, **_: object) -> list[trito
     return configs[:1] if nargs["D"] * nargs["H"] <= 1024 else configs
 
 
+@triton.jit
+def indexer_query(
+    q_ptr, w_ptr, t, H, D, stride_qt, stride_qh, stride_wt, DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Token ``t``'s indexer queries ``[BLOCK_H, BLOCK_D]`` (in ``DOT``) and fp32 head weights, and the channels."""
+    h = tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(
+        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0
+    ).to(DOT)
+    w = tl.load(w_ptr + t * stride_wt + h, mask=h_ok, other=0.0).to(tl.float32)
+    return q, w, d, d_ok
+
+
+@triton.jit
+def indexer_row_scores(q, w, keys_ptr, row, ok, d, d_ok, stride_k, scale, DOT: tl.constexpr, PREC: tl.constexpr):
+    """``[BLOCK_N]`` head-summed ReLU scores of the key rows ``row`` (rows not ``ok`` read as zeros; the
+    caller masks them): every head at once, ``[H, D] × [D, BLOCK_N]``."""
+    rows = tl.load(keys_ptr + row[:, None] * stride_k + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+    dots = tl.dot(q, tl.trans(rows), input_precision=PREC)  # [H, BLOCK_N]
+    return tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
+
+
 @triton.autotune(configs=_configs(), key=["H", "D"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _indexer_scores_kernel(
@@ -39,22 +64,12 @@ def _indexer_scores_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
-    h = tl.arange(0, BLOCK_H)
-    h_ok = h < H
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q = tl.load(
-        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0
-    ).to(DOT)
-    w = tl.load(w_ptr + t * stride_wt + h, mask=h_ok, other=0.0).to(tl.float32)
+    q, w, d, d_ok = indexer_query(q_ptr, w_ptr, t, H, D, stride_qt, stride_qh, stride_wt, DOT, BLOCK_H, BLOCK_D)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < K
     idx = tl.load(idx_ptr + t * stride_it + n, mask=n_ok, other=-1)
     ok = (idx >= 0) & (idx < N)
-    rows = tl.load(keys_ptr + idx[:, None] * stride_k + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
-    dots = tl.dot(q, tl.trans(rows), input_precision=PREC)  # [H, BLOCK_N]
-    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
-    score = tl.where(ok, score, float("-inf"))
+    score = tl.where(ok, indexer_row_scores(q, w, keys_ptr, idx, ok, d, d_ok, stride_k, scale, DOT, PREC), float("-inf"))
     tl.store(out_ptr + t * stride_ot + n, score, mask=n_ok)
 
 

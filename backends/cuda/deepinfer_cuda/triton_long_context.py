@@ -31,11 +31,12 @@ import triton.language as tl
 
 from .launch import Tiles, autotune_configs, choose, next_power_of_2, num_warps_for, unit_inner
 from .triton_attention import (
-    LOG2E, _merge_slices_kernel, _prune, attention_slices, attention_tiles, head_block_query, merge_tiles, softmax_absorb,
+    LOG2E, _merge_slices_kernel, _prune, attention_slices, attention_tiles, check_attention_shapes, head_block_query, merge_tiles,
+    softmax_absorb,
     softmax_start, softmax_store,
 )
 from .triton_common import dot_operands, split_count, target_programs
-from .triton_indexer import indexer_tiles
+from .triton_indexer import indexer_query, indexer_row_scores, indexer_tiles
 
 #: the widest running top-k the fused kernel keeps in registers (V4-Flash's index_topk is 512)
 MAX_TOPK = 2048
@@ -92,14 +93,7 @@ def _indexer_topk_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     sl = tl.program_id(1)
-    h = tl.arange(0, BLOCK_H)
-    h_ok = h < H
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q = tl.load(
-        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0
-    ).to(DOT)
-    w = tl.load(w_ptr + t * stride_wt + h, mask=h_ok, other=0.0).to(tl.float32)
+    q, w, d, d_ok = indexer_query(q_ptr, w_ptr, t, H, D, stride_qt, stride_qh, stride_wt, DOT, BLOCK_H, BLOCK_D)
     seq = tl.load(seq_ptr + t)
     start = sl * SLICE
     end = tl.minimum(start + SLICE, tl.minimum(tl.load(vis_ptr + t), N).to(tl.int32))
@@ -114,11 +108,7 @@ def _indexer_topk_kernel(
             seen = j < end
             row = tl.load(table_ptr + seq * stride_tb + j, mask=seen, other=-1)
             ok = seen & (row >= 0) & (row < P)
-            rows = tl.load(
-                keys_ptr + row[:, None] * stride_k + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
-            ).to(DOT)
-            dots = tl.dot(q, tl.trans(rows), input_precision=PREC)  # [H, BLOCK_N]
-            score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
+            score = indexer_row_scores(q, w, keys_ptr, row, ok, d, d_ok, stride_k, scale, DOT, PREC)
             key = tl.where(ok, _score_keys(score, j), SENTINEL)
             tile = tl.where(sub[:, None] == s, key[None, :], tile)
         best = _merge_best(best, tl.reshape(tile, [K_PAD]), TOPK, K_PAD)
@@ -281,16 +271,8 @@ def entry_attention(
 ) -> torch.Tensor:
     """``Kernels.entry_attention`` on the device for ``T >= 1`` tokens. Allocates the ``[T, H, D]`` output
     (and ``[T, S <= 32, H, D]`` fp32 partials at decode), never ``[T, N, ·]``."""
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
-        raise ValueError(
-            f"entry_attention: need q [T, H, D], kv [P, D], indices [T, K]; got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}"
-        )
+    check_attention_shapes("entry_attention", q, kv, indices, sinks, rows="P")
     tokens, heads, dim = q.shape
-    if kv.shape[1] != dim or indices.shape[0] != tokens or tuple(sinks.shape) != (heads,):
-        raise ValueError(
-            f"entry_attention: kv must be [P, {dim}], indices [{tokens}, K] and sinks [{heads}]; "
-            f"got {tuple(kv.shape)}, {tuple(indices.shape)}, {tuple(sinks.shape)}"
-        )
     _check_tables("entry_attention", tokens, table, token_seq, visible)
     q, kv = unit_inner(q), unit_inner(kv)
     indices = unit_inner(indices.to(torch.int64))
