@@ -5,12 +5,18 @@ A block holds the content-addressed state of ``block_size`` consecutive tokens
 named by a chained hash of their token ids (plus a salt), so a later request
 with the same prefix reuses them. Freed blocks stay cached, in least-recently
 used order, until a new allocation evicts them.
+
+The hash is a 128-bit BLAKE2b digest, the same in every process and on every
+machine, so it also names a block in the on-disk store (``deepinfer/kv_store``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass
@@ -21,10 +27,20 @@ class Block:
 
 
 def chain_hashes(token_ids: list[int], block_size: int, salt: object = None, start: int = 0, parent: int | None = None) -> list[int]:
-    """Hashes of the full blocks of ``token_ids`` from block ``start``, each chained to its predecessor."""
+    """Hashes of the full blocks of ``token_ids`` from block ``start``, each chained to its predecessor
+    (128-bit integers, stable across processes)."""
+    end = len(token_ids) // block_size
+    if end <= start:
+        return []
+    tokens = np.asarray(token_ids[start * block_size : end * block_size], dtype="<i8").tobytes()
+    key = repr(salt).encode()[:64] if salt is not None else b""
+    step = 8 * block_size
     out = []
-    for b in range(start, len(token_ids) // block_size):
-        parent = hash((parent, salt, tuple(token_ids[b * block_size : (b + 1) * block_size])))
+    for b in range(end - start):
+        h = hashlib.blake2b(digest_size=16, key=key)
+        h.update((parent or 0).to_bytes(16, "little"))
+        h.update(tokens[b * step : (b + 1) * step])
+        parent = int.from_bytes(h.digest(), "little")
         out.append(parent)
     return out
 
@@ -96,11 +112,14 @@ class BlockPool:
                 else:
                     self.free_queue[i] = None
 
-    def register(self, block_id: int, block_hash: int) -> None:
-        """Name a block that now holds a full block of tokens, so later prefixes can reuse it."""
+    def register(self, block_id: int, block_hash: int) -> bool:
+        """Name a block that now holds a full block of tokens, so later prefixes can reuse it; whether it
+        is newly named (False: already named, or another block holds that content)."""
         if not self.enable_prefix_caching:
-            return
+            return False
         block = self.blocks[block_id]
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block_id
+            return True
+        return False

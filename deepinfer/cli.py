@@ -126,7 +126,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         structured = StructuredOutputsParams(regex=args.regex)
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed_request,
-        structured_outputs=structured,
+        structured_outputs=structured, cache_class=args.cache_class,
     )
     overrides = {
         "backend": args.backend, "kernels": args.kernels, "interpret": args.interpret or None, "dtype": args.dtype,
@@ -135,6 +135,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "num_redundant_experts": args.num_redundant_experts, "eplb_interval": args.eplb_interval,
         "speculative_method": args.speculative, "speculative_policy": args.speculative_policy,
         "speculative_threshold": args.speculative_threshold, "num_speculative_tokens": args.num_speculative_tokens,
+        "kv_store": args.kv_store,
     }
     if args.stats or args.verbose:
         _log_to_stderr()
@@ -289,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-threshold", type=float, default=None, help="least survival probability under --speculative-policy threshold")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="most drafted tokens verified per request and step")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
+    p.add_argument("--kv-store", metavar="DIR", default=None, help="keep committed KV blocks in DIR (local or a shared mount) across runs and engines")
+    p.add_argument("--cache-class", metavar="NAME", default=None, help="with --kv-store: the retention class these prompts' blocks are kept under")
     p.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON matching this schema")
     p.add_argument("--regex", help="constrain the output to this regular expression")
     p.add_argument(
@@ -307,6 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="auto", choices=["auto", "dequantize"])
     p.add_argument("--json", action="store_true", help="print one JSON object (total_bytes, per_rank_bytes, by_kind, ep, ...)")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("kv-store", help="what a KV store directory holds (stats), and trimming it by retention class (prune)")
+    from .kv_store_cli import add_arguments as add_store_arguments
+
+    add_store_arguments(p)
 
     p = sub.add_parser("conformance", help="check a backend against the reference")
     from deepinfer_conformance.cli import add_arguments

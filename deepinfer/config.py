@@ -67,6 +67,17 @@ class EngineConfig(BaseModel):
     )
     speculative_threshold: float = Field(0.5, ge=0, le=1, description="least survival probability a drafted token needs under the threshold policy")
     num_speculative_tokens: int | None = Field(None, gt=0, description="most drafted tokens verified per request and step (default: the draft's block size)")
+    kv_store: str | None = Field(
+        None, description="directory (local, or a shared mount such as 3FS or NFS) keeping committed KV blocks across engines and restarts"
+    )
+    kv_store_retention: dict[str, str | float] = Field(
+        default_factory=lambda: {"default": "7d"},
+        description="retention classes of the KV store: class -> how long an unused block is kept (e.g. {'chat': '7d', 'agent': '3d'})",
+    )
+    kv_store_capacity: dict[str, str | int] | str | int | None = Field(
+        None, description="bytes each class may hold (one size for all, or class -> size, e.g. '80GB'); past it the least recently used go"
+    )
+    kv_store_default_class: str | None = Field(None, description="class of requests without cache_class (None: the first retention class)")
 
     @field_validator("speculative_method", mode="before")
     @classmethod
@@ -79,6 +90,13 @@ class EngineConfig(BaseModel):
         if v is not None and (not v or any(s <= 0 for s in v)):
             raise ValueError("give at least one size, every size > 0")
         return v
+
+    @model_validator(mode="after")
+    def _store_policy(self) -> "EngineConfig":
+        from .kv_store.policy import StorePolicy
+
+        StorePolicy.build(self.kv_store_retention, self.kv_store_capacity, self.kv_store_default_class)
+        return self
 
     @model_validator(mode="after")
     def _sizes_fit(self) -> "EngineConfig":
@@ -116,7 +134,12 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         if key not in env:
             continue
         value = env[key]
-        if "list" in str(field.annotation):
+        if "dict" in str(field.annotation) and value.strip().startswith("{"):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{key}={value!r} is not a JSON object; give JSON like {{\"chat\": \"7d\"}}") from None
+        elif "list" in str(field.annotation):
             text = value.strip()
             try:
                 value = json.loads(text) if text.startswith("[") else [v.strip() for v in text.split(",") if v.strip()]

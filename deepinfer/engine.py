@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .errors import ConfigError, DeepInferError
 from .kv_cache_manager import KVCacheManager
+from .kv_store import BlockWrite, KVStore, PartShape, StoreStats, open_store
 from .loader import load_tokenizer, read_generation_config
 from .model.config import CSA, ModelConfig
 from .model.config_v41 import check_text_only
@@ -99,7 +100,10 @@ class Engine:
         eos = gen.get("eos_token_id", mc.eos_token_id)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         plan = self.runner.plan
-        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, plan.num_slots, config.enable_prefix_caching)
+        self.store = self._open_store(model_dir) if config.kv_store and config.enable_prefix_caching else None
+        if config.kv_store and not config.enable_prefix_caching:
+            log.warning("kv_store %s is not used: it serves the prefix cache, which is off; set enable_prefix_caching=True", config.kv_store)
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, plan.num_slots, config.enable_prefix_caching, store=self.store)
         self.replay_tokens = replay_length(mc, config.swa_replay)
         proposer = self.runner.proposer
         self.speculation: Speculation | None = None
@@ -124,6 +128,25 @@ class Engine:
         self._grammar_cache: GrammarCompilerCache | None = None
         self.executor = StepExecutor(self.runner, threaded=self.overlap)
         self._inflight: deque[tuple[Step, Future]] = deque()
+        #: installs of stored blocks handed to the device (checked before the steps after them are applied)
+        self._loading: list[Future] = []
+
+    def _open_store(self, model_dir: Path) -> KVStore | None:
+        """The KV store the config names, fingerprinted by everything that shapes a block's contents."""
+        from deepinfer_interfaces import INTERFACE_VERSION
+
+        cache = self.runner.cache
+        parts = [PartShape(p.name, p.rows, p.width) for p in cache.block_parts()]
+        b = self.backend
+        settings = dict(backend=b.name, kernels=b.kernels_name, interpret=b.interpret, quantization=self.config.quantization,
+                        interface=INTERFACE_VERSION)
+        return open_store(self.config, model_dir, settings, cache.dtype, parts, cache.block_size)
+
+    def close(self) -> None:
+        """Finish the steps in flight and the store's writes."""
+        self.executor.close()
+        if self.store is not None:
+            self.store.close()
 
     def _grammars(self) -> GrammarCompilerCache:
         """The grammar compiler, built on the first constrained request (xgrammar loads slowly)."""
@@ -146,6 +169,7 @@ class Engine:
         """The engine's counters (what ``--stats`` prints); under expert parallelism also the EP figures
         (a collective: every rank asks in the same step)."""
         out = self.stats.as_dict()
+        out.update((self.store.stats if self.store is not None else StoreStats()).as_dict())
         if self.sharding is not None:
             out["expert_parallel"] = self.sharding.metrics()
         return out
@@ -180,6 +204,11 @@ class Engine:
             elif not isinstance(params, SamplingParams):
                 params = SamplingParams(**dict(params))
             req.params = params
+            if self.store is not None:
+                try:
+                    self.store.policy.class_for(params.cache_class)
+                except ValueError as exc:
+                    raise InvalidRequestError(str(exc)) from None
             ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
             req.prompt_token_ids = ids
             self._validate(ids)
@@ -234,6 +263,9 @@ class Engine:
     def _next_step(self) -> tuple[Step | None, list[Request]]:
         """Schedule the next step; also return the requests it preempted."""
         out = self.scheduler.schedule()
+        loads = self.kv.take_loads()
+        if loads.block_ids:  # stored blocks this step may read: installed before it, in device order
+            self._loading.append(self.executor.call(self.runner.cache.write_blocks, loads.block_ids, loads.data))
         if not out.sequences:
             return None, list(out.preempted)
         step = Step(out.sequences, finished_request_ids=out.finished_request_ids)
@@ -307,6 +339,8 @@ class Engine:
             done, fut = self._inflight.popleft()
             t1 = time.perf_counter()
             result = fut.result()
+            while self._loading and self._loading[0].done():
+                self._loading.pop(0).result()  # a failed install fails the engine, never a silent wrong state
             self.stats.idle_wait_seconds += time.perf_counter() - t1
             self.stats.forward_seconds += result.forward_seconds
             self.stats.graph_replays += int(result.graph)
@@ -314,8 +348,17 @@ class Engine:
             changed.extend(self._apply(done, result))
             for pending, _ in self._inflight:
                 self._fill_grammar(pending)  # the device waits for these before sampling
+        self._write_through()
         self.stats.wall_seconds += time.perf_counter() - t0
         return list({id(r): r for r in (c.siblings[0] for c in changed)}.values())
+
+    def _write_through(self) -> None:
+        """Hand the blocks committed since the last call to the store: copied off the device after the
+        steps that wrote them, written on the store's thread."""
+        saves = self.kv.take_saves()
+        if saves and self.store is not None:
+            copies = self.executor.call(self.runner.cache.read_blocks, [s.block_id for s in saves])
+            self.store.write([BlockWrite(s.block_hash, s.cache_class) for s in saves], copies)
 
     def _apply(self, step: Step, result: StepResult) -> list[Request]:
         """Take a finished step's tokens into the requests: log-probabilities, stop conditions, cache commits."""
@@ -353,7 +396,12 @@ class Engine:
         return changed
 
     def stats_line(self) -> str:
-        return self.stats.line()
+        line = self.stats.line()
+        if self.store is not None:
+            s = self.store.stats
+            line += (f" | kv store: {s.kv_store_hits} hits / {s.kv_store_lookups} lookups, {s.kv_store_hit_tokens} tokens loaded,"
+                     f" {s.kv_store_bytes_read:,} B read, {s.kv_store_bytes_written:,} B written")
+        return line
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -5,19 +5,58 @@ indexer keys, HCA entries) grows with the sequence and is content-addressed:
 it lives in blocks from the ``BlockPool``. Per-sequence state (the sliding-window
 ring and the compressors' partial windows) has a fixed size and depends on
 everything before it: each running request holds one slot for it.
+
+With a KV store (``deepinfer/kv_store``) below the in-memory cache, a prefix
+that misses in memory continues in the store: its stored blocks get fresh
+blocks here, named by their hashes like committed ones, and their contents
+wait in ``loads`` for the engine to install before the next step. Newly
+committed blocks wait in ``saves`` for the engine to write through.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 from .block_pool import BlockPool, chain_hashes
 from .request import Request
 
+if TYPE_CHECKING:
+    import torch
+
+    from .kv_store import KVStore
+
+
+@dataclass
+class BlockLoads:
+    """Blocks filled from the store: their contents (``ModelCache.read_blocks``'s form), to install."""
+
+    block_ids: list[int] = field(default_factory=list)
+    data: list[list["torch.Tensor"]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BlockSave:
+    """A newly committed block to write through: where it is, its hash, its retention class."""
+
+    block_id: int
+    block_hash: int
+    cache_class: str
+
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, num_slots: int, enable_prefix_caching: bool = True, salt: object = None) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, num_slots: int, enable_prefix_caching: bool = True, salt: object = None,
+        store: "KVStore | None" = None,
+    ) -> None:
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
         self.salt = salt
+        self.store = store if enable_prefix_caching else None
+        self.loads = BlockLoads()
+        self.saves: list[BlockSave] = []
+        #: request id -> how many of its block hashes the store was asked for (a waiting request asks once)
+        self._probed: dict[str, int] = {}
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
         self.slots: dict[str, int] = {}
@@ -39,7 +78,46 @@ class KVCacheManager:
         if req.params.prompt_logprobs is not None:
             return []
         hashes = chain_hashes(req.all_token_ids[: req.num_known_tokens - 1], self.block_size, self.salt)
-        return self.pool.lookup(hashes)
+        hit = self.pool.lookup(hashes)
+        if self.store is not None and len(hit) < len(hashes) and self._probed.get(req.request_id, 0) < len(hashes):
+            self._probed[req.request_id] = len(hashes)
+            hit = hit + self._load(req, hashes[len(hit) :], hit)
+        return hit
+
+    def _load(self, req: Request, hashes: list[int], hit: list[int]) -> list[int]:
+        """Blocks for the stored run of ``hashes`` after an in-memory ``hit``: named and queued in ``loads``.
+        Only when the whole request then fits without evicting the hit (a store hit never preempts)."""
+        free = self.pool.num_free - sum(1 for b in hit if self.pool.blocks[b].ref_count == 0)
+        if self.blocks_for(req.num_tokens) - len(hit) > free:
+            return []
+        data = self.store.read(hashes, self.cache_class(req))
+        if not data:
+            return []
+        self.pool.acquire(hit)  # not evicted for the fresh blocks
+        fresh = self.pool.allocate(len(data)) or []
+        for block_id, h in zip(fresh, hashes):
+            self.pool.register(block_id, h)
+        self.pool.release(hit + fresh)
+        self.loads.block_ids.extend(fresh)
+        self.loads.data.extend(data)
+        return fresh
+
+    def cache_class(self, req: Request) -> str:
+        """The store's retention class of ``req``'s blocks."""
+        return self.store.policy.class_for(req.params.cache_class) if self.store is not None else ""
+
+    def take_loads(self) -> BlockLoads:
+        """The loads since the last call (a block loaded twice, evicted in between, keeps its last contents)."""
+        loads, self.loads = self.loads, BlockLoads()
+        last = {b: i for i, b in enumerate(loads.block_ids)}
+        if len(last) == len(loads.block_ids):
+            return loads
+        keep = sorted(last.values())
+        return BlockLoads([loads.block_ids[i] for i in keep], [loads.data[i] for i in keep])
+
+    def take_saves(self) -> list[BlockSave]:
+        saves, self.saves = self.saves, []
+        return saves
 
     def allocate(self, req: Request, num_tokens: int, hit: list[int] | None = None) -> bool:
         """Make room for the first ``num_tokens`` tokens of ``req``; False (nothing changed) if it cannot."""
@@ -60,6 +138,7 @@ class KVCacheManager:
             self.tables[req.request_id] = table
             self.slots[req.request_id] = self._free_slots.pop()
             self._hashes[req.request_id] = []
+            self._probed.pop(req.request_id, None)
         if need > 0:
             fresh = self.pool.allocate(need) or []
             table.extend(fresh)
@@ -98,10 +177,13 @@ class KVCacheManager:
             hashes.extend(chain_hashes(req.all_token_ids[: full * self.block_size], self.block_size, self.salt, start, parent))
             table = self.tables[req.request_id]
             for i in range(start, full):
-                self.pool.register(table[i], hashes[i])
+                named = self.pool.register(table[i], hashes[i])
+                if named and self.store is not None and not self.store.known(hashes[i]):
+                    self.saves.append(BlockSave(table[i], hashes[i], self.cache_class(req)))
 
     def free(self, req: Request) -> None:
         """Give back the request's blocks (they stay cached) and its slot."""
+        self._probed.pop(req.request_id, None)
         table = self.tables.pop(req.request_id, None)
         if table is None:
             return

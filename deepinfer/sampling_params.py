@@ -76,6 +76,7 @@ class SamplingParams(_Validated):
     prompt_logprobs: int | None = Field(None, ge=0, description="top log-probabilities per prompt token")
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    cache_class: str | None = Field(None, description="retention class of the KV store this request's prefix is kept under (None: the default class)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -90,6 +91,13 @@ class SamplingParams(_Validated):
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @field_validator("cache_class")
+    @classmethod
+    def _class_name(cls, v: str | None) -> str | None:
+        from .kv_store.policy import check_class_name
+
+        return v if v is None else check_class_name(v)
 
     @property
     def greedy(self) -> bool:

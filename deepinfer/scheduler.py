@@ -307,6 +307,8 @@ class Scheduler:
         """End ``req`` wherever it is, freeing its cache."""
         if req.finished:
             return
+        if req.status is RequestStatus.RUNNING:
+            self.kv.commit(req)  # its last full blocks serve later prefixes too
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

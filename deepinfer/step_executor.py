@@ -10,9 +10,12 @@ between two forwards.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, TypeVar
 
 from .model_runner import ModelRunner
 from .step import Step, StepResult
+
+T = TypeVar("T")
 
 
 class StepExecutor:
@@ -27,11 +30,15 @@ class StepExecutor:
         return self._pool is not None
 
     def submit(self, step: Step) -> Future[StepResult]:
+        return self.call(self.runner.execute, step)
+
+    def call(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        """Run ``fn(*args)`` on the device in order with the steps (cache copies between two steps)."""
         if self._pool is not None:
-            return self._pool.submit(self.runner.execute, step)
-        fut: Future[StepResult] = Future()
+            return self._pool.submit(fn, *args)
+        fut: Future[T] = Future()
         try:
-            fut.set_result(self.runner.execute(step))
+            fut.set_result(fn(*args))
         except BaseException as exc:  # surfaced by .result() like the threaded path
             fut.set_exception(exc)
         return fut

@@ -5,7 +5,7 @@ import torch
 
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
-from tests.helpers.checkpoints import BOS_ID, make_tiny_checkpoint
+from tests.helpers.checkpoints import BOS_ID, byte_tokens, make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -15,14 +15,9 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ck"), "mixed")
 
 
-def _tokens(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist()
-
-
 def _workload(prefix_len=100, users=6):
-    system = [BOS_ID] + _tokens(prefix_len, 0)
-    return [system + _tokens(3 + 4 * i, 10 + i) for i in range(users)]
+    system = [BOS_ID] + byte_tokens(prefix_len, 0)
+    return [system + byte_tokens(3 + 4 * i, 10 + i) for i in range(users)]
 
 
 def _llm(ckpt, **kw):
@@ -66,13 +61,13 @@ def test_bounded_replay_recomputes_exactly_the_window(ckpt, prefix_len):
 
 def test_short_hits_are_not_adopted(ckpt):
     llm = _llm(ckpt, swa_replay="exact")
-    short = [BOS_ID] + _tokens(20, 5)  # shorter than the exact replay length
+    short = [BOS_ID] + byte_tokens(20, 5)  # shorter than the exact replay length
     _serve(llm, [short + [1, 2], short + [3, 4]])
     assert llm.engine.stats.cached_tokens == 0 and llm.engine.stats.replayed_tokens == 0
 
 
 def test_eviction_under_small_cache_keeps_outputs(ckpt):
-    prompts = [[BOS_ID] + _tokens(80, s) + _tokens(5, 100 + i) for i, s in enumerate([1, 2, 1, 3, 2, 1])]
+    prompts = [[BOS_ID] + byte_tokens(80, s) + byte_tokens(5, 100 + i) for i, s in enumerate([1, 2, 1, 3, 2, 1])]
     off = _serve(_llm(ckpt, enable_prefix_caching=False), prompts)
     from deepinfer.model.config import ModelConfig
     from deepinfer.model.cache_spec import CacheGeometry, block_size_for

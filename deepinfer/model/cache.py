@@ -31,6 +31,8 @@ blocks shared with other sequences are never rewritten).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -41,6 +43,21 @@ from .config import ModelConfig
 
 COMPRESSOR = "compressor"
 INDEXER = "indexer"
+
+
+@dataclass(frozen=True)
+class BlockPart:
+    """Where one kind of a token block's state lives: ``rows`` consecutive rows of ``pool`` per block,
+    block ``b`` at row ``base + b * rows``."""
+
+    name: str
+    pool: torch.Tensor
+    base: int
+    rows: int
+
+    @property
+    def width(self) -> int:
+        return self.pool.shape[1]
 
 
 class ModelCache:
@@ -162,6 +179,40 @@ class ModelCache:
         """Bytes the pools hold."""
         return sum(t.numel() * t.element_size() for t in self.pools())
 
+    # ----- token blocks as data (the on-disk store's unit) -----
+
+    def block_parts(self) -> list[BlockPart]:
+        """Every pool region a token block fills, in layer order: the compressed K=V entries of each layer
+        that owns entries, and its indexer keys (compressed sparse attention)."""
+        parts = []
+        for i, lt in enumerate(self.geometry.layer_types):
+            epb = self.geometry.specs[lt].entries_per_block
+            if not epb:
+                continue
+            parts.append(BlockPart(f"layers.{i}.kv", self._kv[i], self.entry_base[i], epb))
+            if self.geometry.specs[lt].index_head_dim:
+                parts.append(BlockPart(f"layers.{i}.index", self._index[i], 0, epb))
+        return parts
+
+    def read_blocks(self, block_ids: list[int]) -> list[list[torch.Tensor]]:
+        """Host copies of the blocks' state, per block one tensor ``[rows, width]`` per ``block_parts()``
+        entry. Runs in stream order after the steps that wrote them (the device thread)."""
+        if not block_ids:
+            return []
+        parts = self.block_parts()
+        host = [part.pool.index_select(0, _block_rows(part, block_ids, part.pool.device)).cpu() for part in parts]
+        return [[h[k * p.rows : (k + 1) * p.rows] for h, p in zip(host, parts)] for k in range(len(block_ids))]
+
+    def write_blocks(self, block_ids: list[int], data: list[list[torch.Tensor]]) -> None:
+        """Install state read by ``read_blocks`` (here or in another process) into ``block_ids``; runs
+        before the step that reads them."""
+        if not block_ids:
+            return
+        for j, part in enumerate(self.block_parts()):
+            rows = _block_rows(part, block_ids, part.pool.device)
+            values = torch.cat([d[j] for d in data]).to(part.pool.device, part.pool.dtype)
+            part.pool.index_copy_(0, rows, values)
+
     # ----- the host-side map: numpy int64 in, rows out, -1 where nothing is (or may be written) -----
 
     def window_rows_of(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -199,6 +250,13 @@ class ModelCache:
         ok = (slots >= 0) & (positions >= 0)
         ok &= positions >= self.floors[np.maximum(slots, 0)]
         return np.where(ok, slots * rows_per_slot + positions % max(rows_per_slot, 1), -1)
+
+
+def _block_rows(part: BlockPart, block_ids: list[int], device: torch.device) -> torch.Tensor:
+    """Pool rows of ``part`` for ``block_ids``, block after block."""
+    starts = part.base + np.asarray(block_ids, dtype=np.int64) * part.rows
+    rows = (starts[:, None] + np.arange(part.rows, dtype=np.int64)[None, :]).reshape(-1)
+    return torch.from_numpy(rows).to(device)
 
 
 def _copy_rows(pool: torch.Tensor, src: int, dst: int, n: int) -> None:

@@ -187,6 +187,12 @@ def _mtp_tensors(model, gen: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
+def byte_tokens(n: int, seed: int) -> list[int]:
+    """``n`` token ids of the byte tokenizer's range, the same for the same ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
 def make_tiny_checkpoint(tmp_path: Path, variant: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """Write the ``variant`` checkpoint (weights in ``dtype``, fp32-kept modules in fp32)
     with tokenizer and an ``mtp.safetensors`` shard; returns its directory."""

@@ -1,0 +1,36 @@
+"""The on-disk block store under the prefix cache (``kv_store=DIR``): see ``store.py`` and ``docs/kv-store.md``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .block_file import FORMAT_VERSION, PartShape
+from .fingerprint import describe_model, fingerprint
+from .policy import StorePolicy
+from .store import BlockWrite, KVStore, StoreStats
+
+__all__ = ["BlockWrite", "KVStore", "PartShape", "StorePolicy", "StoreStats", "open_store", "store_policy"]
+
+
+def store_policy(config: Any) -> StorePolicy:
+    """The retention policy an ``EngineConfig`` asks for."""
+    return StorePolicy.build(config.kv_store_retention, config.kv_store_capacity, config.kv_store_default_class)
+
+
+def open_store(
+    config: Any, model_dir: Path, settings: dict[str, Any], dtype: torch.dtype, parts: list[PartShape], block_size: int
+) -> KVStore | None:
+    """The store ``config.kv_store`` names, for a cache of ``parts`` in ``dtype``; ``settings``: the kernel-relevant
+    choices (backend, kernel set, ...) that enter the fingerprint."""
+    description = {
+        "format": FORMAT_VERSION,
+        "model": describe_model(model_dir),
+        "dtype": str(dtype),
+        "block_size": block_size,
+        "parts": [[p.name, p.rows, p.width] for p in parts],
+        **settings,
+    }
+    return KVStore.open(config.kv_store, fingerprint(description), store_policy(config), dtype, parts, block_size)
