@@ -21,7 +21,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .errors import ConfigError, DeepInferError
 from .kv_cache_manager import KVCacheManager
-from .kv_store import BlockWrite, KVStore, PartShape, StoreStats, open_store
+from .kv_store import BlockWrite, KVStore, PartShape, StoreStats, open_store, store_line
 from .loader import load_tokenizer, read_generation_config
 from .model.config import CSA, ModelConfig
 from .model.config_v41 import check_text_only
@@ -396,12 +396,7 @@ class Engine:
         return changed
 
     def stats_line(self) -> str:
-        line = self.stats.line()
-        if self.store is not None:
-            s = self.store.stats
-            line += (f" | kv store: {s.kv_store_hits} hits / {s.kv_store_lookups} lookups, {s.kv_store_hit_tokens} tokens loaded,"
-                     f" {s.kv_store_bytes_read:,} B read, {s.kv_store_bytes_written:,} B written")
-        return line
+        return self.stats.line() + (store_line(self.store.stats.as_dict()) if self.store is not None else "")
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

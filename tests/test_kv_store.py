@@ -341,3 +341,16 @@ def test_retention_from_the_environment():
     assert config.kv_store == "/tmp/kv" and config.kv_store_retention == {"chat": "7d", "agent": "3d"}
     with pytest.raises(ConfigError, match="is not a JSON object"):
         load_config({}, env={"DEEPINFER_KV_STORE_RETENTION": '{"chat": 7d}'})
+
+
+def test_expert_parallel_ranks_write_what_one_device_reads(ckpt, reference, tmp_path):
+    prompts, plain, _ = reference
+    ep = _llm(ckpt, tmp_path, swa_replay="exact", expert_parallel_size=2)
+    try:
+        assert _serve(ep, prompts[:1]) == plain[:1]
+    finally:
+        ep.close()  # each rank finishes its store writes
+    single = _llm(ckpt, tmp_path, swa_replay="exact")
+    assert _serve(single, prompts[1:]) == plain[1:]
+    m = _done(single)
+    assert m["kv_store_hits"] == 1 and m["kv_store_bad_files"] == 0

@@ -10,9 +10,9 @@ import torch
 from .block_file import FORMAT_VERSION, PartShape
 from .fingerprint import describe_model, fingerprint
 from .policy import StorePolicy
-from .store import BlockWrite, KVStore, StoreStats
+from .store import BlockWrite, KVStore, StoreStats, store_line
 
-__all__ = ["BlockWrite", "KVStore", "PartShape", "StorePolicy", "StoreStats", "open_store", "store_policy"]
+__all__ = ["BlockWrite", "KVStore", "PartShape", "StorePolicy", "StoreStats", "open_store", "store_line", "store_policy"]
 
 
 def store_policy(config: Any) -> StorePolicy:

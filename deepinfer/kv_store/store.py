@@ -61,6 +61,15 @@ class StoreStats:
         return asdict(self)
 
 
+def store_line(metrics: dict[str, Any]) -> str:
+    """The store's part of ``--stats`` from an engine's metrics ("" when no store was used)."""
+    m = metrics
+    if not (m.get("kv_store_lookups") or m.get("kv_store_blocks_written")):
+        return ""
+    return (f" | kv store: {m['kv_store_hits']} hits / {m['kv_store_lookups']} lookups, {m['kv_store_hit_tokens']} tokens loaded,"
+            f" {m['kv_store_bytes_read']:,} B read, {m['kv_store_bytes_written']:,} B written")
+
+
 @dataclass(frozen=True)
 class BlockWrite:
     """One committed block to store: its hash and the class of the request that committed it."""

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from ..config import EngineConfig
 from ..engine import resolve_model_dir
 from ..errors import ConfigError, RankFailure
+from ..kv_store import store_line
 from ..loader import load_tokenizer, read_config
 from ..model.config import ModelConfig
 from ..outputs import RequestOutput
@@ -304,7 +305,7 @@ class ExpertParallelEngine:
         return (
             f"steps {m['steps']}, computed tokens {m['computed_tokens']} (prefill {m['prefill_tokens']}), generated "
             f"{m['generated_tokens']} ({m.get('generated_tokens_per_second', 0.0):.1f} tok/s), preemptions {m['preemptions']}"
-            + spec_line(m) + ep_line(m)
+            + spec_line(m) + ep_line(m) + store_line(m)
         )
 
     def close(self) -> None:

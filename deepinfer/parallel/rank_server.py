@@ -88,8 +88,8 @@ class RankServer:
         return report
 
     def close(self) -> None:
-        """Stop the engine's executor and leave the process groups."""
-        self.engine.executor.close()
+        """Stop the engine (its executor, its store writes) and leave the process groups."""
+        self.engine.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
