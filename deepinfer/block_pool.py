@@ -33,7 +33,7 @@ def chain_hashes(token_ids: list[int], block_size: int, salt: object = None, sta
     if end <= start:
         return []
     tokens = np.asarray(token_ids[start * block_size : end * block_size], dtype="<i8").tobytes()
-    key = repr(salt).encode()[:64] if salt is not None else b""
+    key = hashlib.blake2b(repr(salt).encode(), digest_size=32).digest() if salt is not None else b""
     step = 8 * block_size
     out = []
     for b in range(end - start):

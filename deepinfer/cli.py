@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("kv-store", help="what a KV store directory holds (stats), and trimming it by retention class (prune)")
-    from .kv_store_cli import add_arguments as add_store_arguments
+    from .kv_store.cli import add_arguments as add_store_arguments
 
     add_store_arguments(p)
 

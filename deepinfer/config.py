@@ -93,9 +93,9 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _store_policy(self) -> "EngineConfig":
-        from .kv_store.policy import StorePolicy
+        from .kv_store.policy import store_policy
 
-        StorePolicy.build(self.kv_store_retention, self.kv_store_capacity, self.kv_store_default_class)
+        store_policy(self)
         return self
 
     @model_validator(mode="after")

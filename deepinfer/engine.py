@@ -129,7 +129,7 @@ class Engine:
         self.executor = StepExecutor(self.runner, threaded=self.overlap)
         self._inflight: deque[tuple[Step, Future]] = deque()
         #: installs of stored blocks handed to the device (checked before the steps after them are applied)
-        self._loading: list[Future] = []
+        self._loading: deque[Future] = deque()
 
     def _open_store(self, model_dir: Path) -> KVStore | None:
         """The KV store the config names, fingerprinted by everything that shapes a block's contents."""
@@ -340,7 +340,7 @@ class Engine:
             t1 = time.perf_counter()
             result = fut.result()
             while self._loading and self._loading[0].done():
-                self._loading.pop(0).result()  # a failed install fails the engine, never a silent wrong state
+                self._loading.popleft().result()  # a failed install fails the engine, never a silent wrong state
             self.stats.idle_wait_seconds += time.perf_counter() - t1
             self.stats.forward_seconds += result.forward_seconds
             self.stats.graph_replays += int(result.graph)

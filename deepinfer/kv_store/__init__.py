@@ -9,15 +9,10 @@ import torch
 
 from .block_file import FORMAT_VERSION, PartShape
 from .fingerprint import describe_model, fingerprint
-from .policy import StorePolicy
+from .policy import StorePolicy, store_policy
 from .store import BlockWrite, KVStore, StoreStats, store_line
 
 __all__ = ["BlockWrite", "KVStore", "PartShape", "StorePolicy", "StoreStats", "open_store", "store_line", "store_policy"]
-
-
-def store_policy(config: Any) -> StorePolicy:
-    """The retention policy an ``EngineConfig`` asks for."""
-    return StorePolicy.build(config.kv_store_retention, config.kv_store_capacity, config.kv_store_default_class)
 
 
 def open_store(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -117,3 +118,8 @@ class StorePolicy(BaseModel):
             return cls.model_validate(json.loads((root / POLICY_FILE).read_text()))
         except (OSError, ValueError):
             return None
+
+
+def store_policy(config: Any) -> StorePolicy:
+    """The retention policy an ``EngineConfig`` asks for (its ``kv_store_*`` fields)."""
+    return StorePolicy.build(config.kv_store_retention, config.kv_store_capacity, config.kv_store_default_class)

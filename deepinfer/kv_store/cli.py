@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
-from .errors import ConfigError
-from .kv_store.maintenance import prune, summarize
-from .kv_store.policy import StorePolicy
+from ..errors import ConfigError
+from .maintenance import prune, summarize
+from .policy import StorePolicy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,8 +80,6 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     policy = StorePolicy.load(root)
     classes = summarize(root, policy)
     if args.json:
-        from dataclasses import asdict
-
         print(json.dumps({"dir": str(root), "default_class": policy.default_class if policy else None,
                           "classes": {k: asdict(v) for k, v in classes.items()}}))
         return 0
