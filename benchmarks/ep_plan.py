@@ -67,7 +67,9 @@ degree whose doubling gains less than PLAN_TOLERANCE.
 
 Left out of decode: sampling, scheduling and launch overheads, the MTP draft, attention load imbalance between
 DP ranks (DeepSeek's decode balancer evens KV use), redundant experts, and elementwise passes under 1 % of a
-layer's bytes (norms, RoPE, cache writes, the compressors' pooling).
+layer's bytes (norms, RoPE, cache writes, the compressors' pooling). The DSpark draft pass is priced on its own
+(``draft_pass``: its three SWA stages with the target's MoE, the LM head over its block positions, the context
+projection), for ``benchmarks/spec_decode.py``; the tables here do not use it.
 
 What decode finds, and why it is not DeepSeek's V3 plan everywhere. V4-Flash's routed experts are 147 GB in FP4
 and its cache ~3.5 KB per token (V3's MLA: ~70 KB), so on 180 GB B200s the weights leave most of HBM to KV at
@@ -810,6 +812,115 @@ def best_decode_step(hw: Hardware, n: int, batch: int, context: int, fmt: KvForm
     if n > 1 and batch >= MICRO_BATCHES:
         options.append(decode_step(hw, n, batch, context, MICRO_BATCHES, fmt, load_cv=load_cv, fp4_math=fp4_math))
     return min(options, key=lambda s: s.step_s)
+
+
+# ---- the DSpark draft pass -----------------------------------------------------------------------------------
+# DeepSeek-V4-Flash-DSpark (the release's config.json and inference/config.json; deepinfer/model/dspark.py lays
+# it out): three draft stages mtp.0..mtp.2 (n_mtp_layers; the config's two extra compress_ratios entries are
+# those uncompressed SWA-128 blocks), dspark_block_size 5, dspark_target_layer_ids [40, 41, 42],
+# dspark_markov_rank 256; each stage's routed MoE has the target's expert count, expert shape and top-k.
+DRAFT_STAGES = 3
+DRAFT_BLOCK = 5  # gamma: positions one pass proposes per request
+DRAFT_TARGET_LAYERS = 3  # main_proj is [HIDDEN, 3 * HIDDEN]
+DRAFT_MARKOV_RANK = 256
+DRAFT_CONTEXT_WINDOW = 128  # dspark_context_window: context rows each stage's ring keeps per request
+#: a ring row: one bf16 K=V row of HEAD_DIM, as deepinfer's DSparkRing holds it
+DRAFT_RING_ENTRY_BYTES = 2 * HEAD_DIM
+
+
+@dataclass(frozen=True)
+class DraftPass:
+    """One DSpark draft pass on one rank, in seconds."""
+
+    micro_batches: int  # of the stages' schedule (1 or 2, as the decode step chooses)
+    stages_s: float  # the DRAFT_STAGES blocks, after overlap
+    head_s: float  # stream collapse, final norm, LM head over every position, Markov bias per position
+    context_s: float  # main_proj and each stage's K=V rows of the newly committed positions
+    step_s: float
+
+
+def draft_global_tensors() -> list[Tensor]:
+    """The draft's weights outside its stages that a pass streams (the LM head is the target's)."""
+    d = HIDDEN
+    return [Tensor("main_proj", "context", d, DRAFT_TARGET_LAYERS * d, "fp8"),
+            Tensor("main_norm", "context", 1, d, "bf16", gemm=False),
+            Tensor("hc_head", "head", HC_MULT, HC_MULT * d, "f32"),
+            Tensor("norm", "head", 1, d, "bf16", gemm=False),
+            Tensor("head", "head", VOCAB, d, "bf16"),
+            Tensor("markov_w2", "markov", VOCAB, DRAFT_MARKOV_RANK, "bf16"),
+            Tensor("confidence_head", "head", 1, d + DRAFT_MARKOV_RANK, "f32")]
+
+
+def draft_stage_parts(hw: Hardware, n: int, requests: float, r: Rates, *, load_cv: float,
+                      fp4_math: bool) -> DecodeParts:
+    """One draft stage for ``requests`` requests (``requests * DRAFT_BLOCK`` block positions) on one rank of EP
+    degree ``n``, cut as the decode step cuts a target layer.
+
+    ATTN-0: the hyper-connection pre-mixes (attention, and the previous block's FFN post-mix) and the
+    projections before attention; ATTN-1: core attention (each position over its request's ring of
+    DRAFT_CONTEXT_WINDOW rows plus the block's DRAFT_BLOCK rows, MQA with 64 heads; the ring read once per
+    request, its rows bf16), the output projection, the FFN pre-mix and the router. The MoE is the target's at
+    these tokens: the same expert shapes, top-k, sharding over the EP ranks, dispatch and combine.
+    """
+    tokens = requests * DRAFT_BLOCK
+    pre = post = tokens * HC_APPLY_BYTES_PER_TOKEN / r.hbm
+    pre += tokens * HC_APPLY_BYTES_PER_TOKEN / r.hbm
+    post += tokens * HC_APPLY_BYTES_PER_TOKEN / r.hbm
+    for t in layer_tensors(0, False):  # sliding window only: no compressor, no indexer; a learned router
+        if t.part == "pre":
+            pre += tensor_s(t, tokens, r)
+        elif t.part == "post":
+            post += tensor_s(t, tokens, r)
+    entries = DRAFT_CONTEXT_WINDOW + DRAFT_BLOCK
+    q_bytes = HEADS * HEAD_DIM * 2
+    kv_bytes = (requests * DRAFT_CONTEXT_WINDOW + tokens) * DRAFT_RING_ENTRY_BYTES  # the ring, the block's rows
+    post += roofline(4.0 * HEADS * HEAD_DIM * entries * tokens, r.attention_bf16, kv_bytes + tokens * 2 * q_bytes,
+                     r.hbm)
+    moe = micro_batch(hw, n, tokens, load_cv=load_cv, fp4_math=fp4_math)
+    return DecodeParts(pre, post, max(moe.shared_compute_s, moe.shared_memory_s),
+                       max(moe.routed_compute_s, moe.routed_memory_s), moe.dispatch_s, moe.combine_s)
+
+
+def draft_pass(hw: Hardware, n: int, requests: int, fmt: KvFormat, *, load_cv: float, fp4_math: bool) -> DraftPass:
+    """Seconds of one DSpark draft pass proposing DRAFT_BLOCK tokens for each of ``requests`` requests on one rank
+    of V4-Flash decode at EP degree ``n`` (0 requests: no pass).
+
+    Priced like the decode step, with the same rates, rooflines and MoE model:
+
+    - the DRAFT_STAGES stages over ``requests * DRAFT_BLOCK`` tokens (``draft_stage_parts``), each a V4 block
+      with sliding-window attention only, mHC and a routed MoE sharded over the EP ranks like the target's (so
+      its MoE costs what one target MoE layer costs at those tokens, dispatch and combine included, and its
+      load imbalance is the target's), under the cheaper of one batch and two overlapped micro-batches;
+    - the head over every block position at once: the last stage's stream collapse and norm, the target's bf16
+      LM head (VOCAB x HIDDEN, bf16 logits out), the confidence head; plus the Markov bias
+      (``markov_w2 . markov_w1[previous token]``), one GEMM of ``requests`` rows per position since each needs
+      the token drafted before it (markov_w2 streamed DRAFT_BLOCK times; markov_w1 is a gathered table);
+    - the context: main_proj (FP8, HIDDEN x 3*HIDDEN) and each stage's wkv over the positions the last
+      verification committed, counted at their most (DRAFT_BLOCK + 1 per request).
+
+    Left out, as the decode step leaves them out: sampling the drafted tokens, launches and elementwise passes
+    (norms, RoPE, ring writes, the embedding gather). The EP ranks run the pass together (its MoE is a
+    collective), so every rank is assumed to draft alike. The weights are streamed once per pass whatever
+    ``requests`` is, so a pass for a few requests still costs the head's ~1 GB read.
+    """
+    if requests <= 0:
+        return DraftPass(0, 0.0, 0.0, 0.0, 0.0)
+    r = Rates.of(hw, fmt)
+    tokens = requests * DRAFT_BLOCK
+    schedules = []
+    for micro_batches in (1, MICRO_BATCHES) if n > 1 and tokens >= MICRO_BATCHES else (1,):
+        parts = draft_stage_parts(hw, n, requests / micro_batches, r, load_cv=load_cv, fp4_math=fp4_math)
+        stage = serial_layer_s(parts) if micro_batches == 1 else overlapped_layer_s(parts, parts)
+        schedules.append((DRAFT_STAGES * stage, micro_batches))
+    stages, micro_batches = min(schedules)
+    tensors = draft_global_tensors()
+    head = sum(tensor_s(t, tokens, r) for t in tensors if t.part == "head")
+    head += DRAFT_BLOCK * sum(tensor_s(t, requests, r) for t in tensors if t.part == "markov")
+    committed = requests * (DRAFT_BLOCK + 1)
+    wkv = next(t for t in layer_tensors(0, False) if t.name == "wkv")
+    context = sum(tensor_s(t, committed, r) for t in tensors if t.part == "context")
+    context += DRAFT_STAGES * tensor_s(wkv, committed, r)
+    return DraftPass(micro_batches, stages, head, context, stages + head + context)
 
 
 def largest_batch(meets: Callable[[int], bool], limit: int) -> int:

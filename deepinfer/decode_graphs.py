@@ -129,6 +129,14 @@ class DecodeGraphs:
             return None
         return self.get(self.sizes[i], per, context_len)
 
+    def padded_tokens(self, num_seqs: int, verify: bool) -> int | None:
+        """The token count of the graph a decode (``verify``: verify) step of ``num_seqs`` sequences replays,
+        padding included, or None when no captured size holds it."""
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        if i == len(self.sizes) or (verify and not self.drafts):
+            return None
+        return self.sizes[i] * (1 + self.drafts if verify else 1)
+
     def get(self, size: int, tokens_per_seq: int, context_len: int) -> DecodeGraph | None:
         """The graph of exactly ``size`` sequences of ``tokens_per_seq`` tokens whose context bucket is the
         smallest reaching ``context_len``, if captured (under expert parallelism the ranks agreed on its size)."""

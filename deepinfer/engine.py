@@ -33,7 +33,7 @@ from .request import Request, RequestStatus
 from .sampler import to_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
-from .spec_decode.speculation import Speculation
+from .spec_decode.speculation import Speculation, step_kind
 from .stats import EngineStats
 from .step import GrammarGate, ScheduledSequence, Step, StepResult, chained_drafts
 from .step_executor import StepExecutor
@@ -110,15 +110,15 @@ class Engine:
         if proposer is not None:
             # the draft's context is per-request state too: after a prefix hit it is rebuilt from the replayed
             # tokens (V4-Flash replays its 128-token window, as long as the draft's context window)
-            self.speculation = Speculation(config, proposer.gamma, self.runner.step_cost_profile, self.stats)
+            self.speculation = Speculation(
+                config, proposer.gamma, self.runner.step_cost_profile, self.stats, self.runner.draft_cost_profile, self.runner.graph_shape,
+            )
         overlap = config.overlap_scheduling
         self.overlap = self.backend.device.capabilities().asynchronous if overlap is None else overlap
         self.overlap = self.overlap and sharding is None  # lockstep: one forward per step, in order
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start, self.stats,
-            self.speculation.admit if self.speculation is not None else None, chain=self.overlap,
-            prior=self.speculation.prior if self.speculation is not None else None,
-            history_tokens=max(0, self.runner.geometry.history_window - 1),
+            self.speculation, chain=self.overlap, history_tokens=max(0, self.runner.geometry.history_window - 1),
         )
         #: user request id -> its first completion (which lists every completion in ``siblings``)
         self.requests: dict[str, Request] = {}
@@ -169,6 +169,7 @@ class Engine:
         """The engine's counters (what ``--stats`` prints); under expert parallelism also the EP figures
         (a collective: every rank asks in the same step)."""
         out = self.stats.as_dict()
+        out.update(self.speculation.live_figures() if self.speculation is not None else {})
         out.update((self.store.stats if self.store is not None else StoreStats()).as_dict())
         if self.sharding is not None:
             out["expert_parallel"] = self.sharding.metrics()
@@ -335,6 +336,7 @@ class Engine:
             if self.sharding is not None:
                 self.runner.execute_idle()  # the other ranks' tokens still reach this rank's experts
         keep = 1 if (self.overlap and step is not None) else 0
+        applied: list[tuple[Step, StepResult]] = []
         while len(self._inflight) > keep:
             done, fut = self._inflight.popleft()
             t1 = time.perf_counter()
@@ -345,12 +347,23 @@ class Engine:
             self.stats.forward_seconds += result.forward_seconds
             self.stats.graph_replays += int(result.graph)
             self.stats.draft_seconds += result.draft_seconds
+            self._record_drafts(result)
             changed.extend(self._apply(done, result))
+            applied.append((done, result))
             for pending, _ in self._inflight:
                 self._fill_grammar(pending)  # the device waits for these before sampling
         self._write_through()
-        self.stats.wall_seconds += time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        self.stats.wall_seconds += wall
+        if self.speculation is not None and len(applied) == 1:  # one step's whole cycle, as the policy prices it
+            done, result = applied[0]
+            self.speculation.record_step(step_kind(done), result.graph, result.graph_tokens or done.num_tokens,
+                                         wall - result.draft_seconds, len(result.drafts), result.draft_seconds)
         return list({id(r): r for r in (c.siblings[0] for c in changed)}.values())
+
+    def _record_drafts(self, result: StepResult) -> None:
+        if self.speculation is not None and result.drafts:
+            self.speculation.record_drafts([d.survival for d in result.drafts.values()])
 
     def _write_through(self) -> None:
         """Hand the blocks committed since the last call to the store: copied off the device after the
@@ -378,7 +391,8 @@ class Engine:
                     self.scheduler.settle(req, len(s.draft_token_ids) - (len(new) - 1))
                 if not req.finished:  # else it stopped a step ago: this token was computed ahead and is dropped
                     if s.draft_token_ids and self.speculation is not None:
-                        self.speculation.record(result.verified.get(s.request_id, 0), len(new) - 1)
+                        predicted = req.draft.survival if req.draft is not None else ()
+                        self.speculation.record(result.verified.get(s.request_id, 0), len(new) - 1, predicted)
                     for tok in new:
                         if tok.logprobs is not None:
                             req.logprobs.extend(to_logprobs([tok.logprobs], self._decode_one))
@@ -389,6 +403,8 @@ class Engine:
                     changed.append(req)
                     if req.status is RequestStatus.RUNNING:
                         req.draft = result.drafts.get(s.request_id)
+                        if req.draft is not None:
+                            req.last_survival = req.draft.survival
                 if req.finished and not req.num_pending and req.siblings[0].request_id not in self.requests:
                     self._live.pop(req.request_id, None)
             if not req.finished:
@@ -396,7 +412,7 @@ class Engine:
         return changed
 
     def stats_line(self) -> str:
-        return self.stats.line() + (store_line(self.store.stats.as_dict()) if self.store is not None else "")
+        return self.stats.line(self.speculation.live_figures() if self.speculation is not None else None) + (store_line(self.store.stats.as_dict()) if self.store is not None else "")
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

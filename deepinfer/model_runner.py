@@ -149,6 +149,7 @@ class ModelRunner:
         self.max_step_tokens = min(cfg.max_num_batched_tokens, cfg.max_prefill_chunk)
         self.max_batched_tokens = cfg.max_num_batched_tokens
         self._profile: StepCostProfile | None = None
+        self._draft_profile: StepCostProfile | None = None
         self.geometry = CacheGeometry.build(self.config, block_size_for(self.config, cfg.block_size), self.max_step_tokens, self.max_model_len)
         if cfg.kv_cache_memory is not None:
             budget = cfg.kv_cache_memory
@@ -247,6 +248,36 @@ class ModelRunner:
         log.info("step-cost profile: " + ", ".join(f"{t} tokens {1e3 * s:.2f} ms" for t, s in zip(counts, self._profile.seconds)))
         return self._profile
 
+    @torch.inference_mode()
+    def draft_cost_profile(self) -> StepCostProfile:
+        """Seconds a draft pass takes for 1 up to every sequence slot drafting (anchors over empty context
+        rings): the prior of the adaptive policy's draft cost. Measured once per runner."""
+        if self._draft_profile is not None:
+            return self._draft_profile
+        draft, ring = self.proposer.draft, self.proposer.ring
+        top = self.plan.num_slots
+        counts = sorted({*(1 << i for i in range(top.bit_length()) if 1 << i <= top), top})
+        times: list[float] = []
+        for n in counts:
+            ids = torch.zeros(n, dtype=torch.int64, device=self.torch_device)
+            pos = torch.full((n,), min(self.max_model_len, 1024) - draft.config.dspark_block_size, dtype=torch.int64, device=self.torch_device)
+            rows = ring.rows(list(range(n)), pos)
+            best = float("inf")
+            for _ in range(3):  # the first run warms up; the fastest is the device's cost
+                self.device.synchronize()
+                t0 = time.perf_counter()
+                draft.draft(ids, pos, ring.kv, rows).tokens.tolist()
+                best = min(best, time.perf_counter() - t0)
+            times.append(max(best, 1e-9))
+        self._draft_profile = StepCostProfile.monotone(counts, times)
+        log.info("draft-cost profile: " + ", ".join(f"{n} requests {1e3 * s:.2f} ms" for n, s in zip(counts, self._draft_profile.seconds)))
+        return self._draft_profile
+
+    def graph_shape(self, num_seqs: int, verify: bool) -> int | None:
+        """The token count of the graph a decode (``verify``: verify) step of ``num_seqs`` sequences replays,
+        or None when it runs eager."""
+        return self.graphs.padded_tokens(num_seqs, verify) if self.graphs is not None else None
+
     def _draft(self, cfg: EngineConfig, model_dir: str | Path) -> DSparkDraft | None:
         """The DSpark draft when speculation is on: asked for (``dspark``), or the checkpoint has one (``auto``)."""
         if cfg.speculative_method is None:
@@ -317,16 +348,18 @@ class ModelRunner:
         tokens, last = self._sample(step, logits, rows)
         drafts, draft_seconds = {}, 0.0
         if self.proposer is not None:
+            self.proposer.observe_step(step, hidden, tokens)
             t1 = time.perf_counter()
-            drafts = self.proposer.after_step(step, hidden, tokens, last, self.sampler, self.config.max_position_embeddings)
-            draft_seconds = time.perf_counter() - t1
+            drafts = self.proposer.draft_step(step, tokens, last, self.sampler, self.config.max_position_embeddings)
+            draft_seconds = time.perf_counter() - t1 if drafts else 0.0
         self._outcomes = {
             s.request_id: Outcome(len(s.draft_token_ids) + 1 - len(tokens[s.request_id]), tokens[s.request_id][-1].token_id,
                                   drafts.get(s.request_id))
             for s in step.sampled
         }
         verified = {s.request_id: len(s.draft_token_ids) for s in step.sampled if s.draft_token_ids}
-        return StepResult(tokens, prompt_lps, time.perf_counter() - t0, graph is not None, drafts, draft_seconds, verified)
+        return StepResult(tokens, prompt_lps, time.perf_counter() - t0, graph is not None,
+                          graph.size * graph.tokens_per_seq if graph is not None else 0, drafts, draft_seconds, verified)
 
     def _resolve(self, step: Step) -> Step:
         """``step`` with its chained records made concrete from the previous step's outcome, which this

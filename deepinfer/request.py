@@ -71,6 +71,10 @@ class Request:
     speculative: bool = False
     #: its drafted tokens for the step after the last one applied (None: none pending)
     draft: DraftProposal | None = None
+    #: its latest sampling record drafts after its step (the admission policy picked it)
+    proposing: bool = False
+    #: survival per position of the last draft made for it (what its next draft is expected to achieve)
+    last_survival: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.siblings:

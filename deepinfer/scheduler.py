@@ -12,10 +12,14 @@ request's tokens count as computed once they are scheduled. It also counts
 what it schedules into the engine's ``EngineStats``.
 
 Speculative decoding: a running request whose draft follows the token it feeds
-next brings that token and the drafts ``admit`` chooses (from their survival
+next brings that token and the drafts the policy admits (from their survival
 probabilities, over the whole batch); they count as computed until the step
 returns, when ``settle`` keeps the anchor and the accepted drafts and drops the
-rest (with the blocks only they needed). With overlap scheduling (``chain``) a
+rest (with the blocks only they needed). Once a step's records are made, the
+policy also picks which of its sampling requests draft after it (``propose``):
+all, some or none, as the next step's expected goodput with the draft pass
+priced in says; a request that does not draft decodes plainly next step and
+drafts again once the policy picks it. With overlap scheduling (``chain``) a
 request whose step is still in flight is scheduled again at once: its record is
 *chained* to that step (its token and drafts are the ones that step samples and
 drafts, its positions assume every draft in flight is accepted, and the runner
@@ -38,6 +42,7 @@ from typing import Callable, Sequence
 
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
+from .spec_decode.speculation import Speculation, StepOutlook
 from .stats import EngineStats
 from .step import PLACEHOLDER, ForkSpec, PromptLogprobSpec, ScheduledSequence
 
@@ -63,26 +68,22 @@ class Scheduler:
         max_chunk: int | None = None,
         replay_start: Callable[[int], int | None] = lambda hit: hit,
         stats: EngineStats | None = None,
-        admit: Callable[[list[list[float]], int], list[int]] | None = None,
+        speculation: Speculation | None = None,
         chain: bool = False,
-        prior: Callable[[], Sequence[float]] | None = None,
         history_tokens: int = 0,
     ) -> None:
         """``replay_start(hit)`` gives the position from which a request whose first ``hit``
         tokens are cached recomputes (to rebuild state that is not cached), or None when
-        the hit is not worth adopting. ``admit(survival, budget)`` gives how many of each
-        ready request's drafts a step verifies (``survival[r]``: its drafts' survival
-        probabilities, as many as it may verify; ``budget``: the most drafted tokens in all). ``chain``:
+        the hit is not worth adopting. ``speculation``: the admission policy (how many of each
+        ready request's drafts a step verifies, which requests draft after it). ``chain``:
         steps are scheduled while the previous one is in flight (overlap), so speculating requests chain;
-        ``prior()``: survival by position for a chained request that has no draft of its own yet;
         ``history_tokens``: how many tokens before a replay start a first chunk brings as history (the
         model's n-gram look-back)."""
         self.kv = kv
         self.history_tokens = history_tokens
         self.chain = chain
-        self.prior = prior
         self.replay_start = replay_start
-        self.admit = admit
+        self.speculation = speculation
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         #: most tokens of one sequence in one step
@@ -170,20 +171,61 @@ class Scheduler:
             budget -= n
         self.running.extend(self._forked)
         self._forked = []
+        if self.speculation is not None:
+            self._choose_drafters(out)
         if out.sequences:
             self.stats.steps += 1
             self.stats.computed_tokens += out.num_tokens
         return out
 
+    def _decodes(self, req: Request) -> bool:
+        """Whether ``req``'s next record feeds one token and samples (a decode, maybe verifying drafts)."""
+        return not req.at_limit and (self._chains(req) or req.num_computed_tokens == req.num_tokens - 1)
+
     def _admitted(self, budget: int) -> dict[str, list[int]]:
         """The drafts each ready running request verifies this step."""
-        if self.admit is None:
+        if self.speculation is None:
             return {}
         ready = [r for r in self.running if not r.at_limit and (r.draft_ready() or self._chains(r))]
-        prior = tuple(self.prior()) if self.prior is not None else ()
-        room = [(prior if r.draft is None else r.draft.survival)[: self._verifiable(r)] for r in ready]
-        counts = self.admit([list(x) for x in room], max(0, budget - len(ready)))
+        if not ready:
+            return {}
+        decoding = sum(1 for r in self.running if self._decodes(r))
+        chunks = sum(min(r.num_tokens - r.num_computed_tokens, self.max_chunk) for r in self.running
+                     if not self._chains(r) and r.num_tokens - r.num_computed_tokens > 1)
+        outlook = StepOutlook(decoding, decoding + min(chunks, max(0, budget - decoding)))
+        last = [None if r.draft is None else r.draft.survival for r in ready]
+        counts = self.speculation.admit(last, [self._verifiable(r) for r in ready], max(0, budget - outlook.base_tokens), outlook)
         return {r.request_id: self._drafts(r, k) for r, k in zip(ready, counts) if k}
+
+    def _choose_drafters(self, out: SchedulerOutput) -> None:
+        """Mark the step's sampling records that draft after it (``propose``), as the policy picks them for
+        the next step, which this one predicts: each sampling request decodes, each unfinished prompt goes on."""
+        live = {r.request_id: r for r in self.running}
+        sampled = [s for s in out.sequences if s.sample is not None and s.speculate]
+        candidates, last, rooms = [], [], []
+        for s in sampled:
+            req = live.get(s.request_id)
+            if req is None:
+                continue
+            req.proposing = False
+            room = req.max_total_tokens - req.num_computed_tokens - 2  # drafts its next step may verify
+            if room > 0:
+                candidates.append((s, req))
+                last.append(req.last_survival)
+                rooms.append(room)
+        if not candidates:
+            return
+        decoding = sum(1 for s in out.sequences if s.sample is not None)
+        chunks = sum(s.num_tokens for s in out.sequences if s.sample is None and s.num_tokens)
+        outlook = StepOutlook(decoding, decoding + chunks)
+        chosen = self.speculation.drafters(last, rooms, outlook, max(0, self.max_num_batched_tokens - outlook.base_tokens))
+        for i in chosen:
+            s, req = candidates[i]
+            s.propose = req.proposing = True
+        self.stats.spec_draft_candidates += len(candidates)
+        self.stats.spec_drafting_requests += len(chosen)
+        self.stats.spec_candidate_steps += 1
+        self.stats.spec_drafting_steps += int(bool(chosen))
 
     def _chains(self, req: Request) -> bool:
         """Whether ``req``'s next record chains to its step in flight: with overlap, a speculating request's
@@ -196,7 +238,7 @@ class Scheduler:
         assumes every draft in flight is accepted, and its grammar checks them once they are (a refused
         draft's row then masks it out, so verification rejects it)."""
         if self._chains(req):
-            return max(0, req.max_total_tokens - req.num_computed_tokens - 2)
+            return max(0, req.max_total_tokens - req.num_computed_tokens - 2) if req.proposing else 0
         n = max(0, req.max_total_tokens - req.num_tokens - 1)
         if req.grammar is not None and n:
             n = req.grammar.validate_draft(list(req.draft.tokens[:n]))

@@ -53,6 +53,12 @@ class EngineStats:
     spec_chained_records: int = 0
     #: seconds the draft passes took
     draft_seconds: float = 0.0
+    #: drafting decisions: steps with sampling requests that could draft, steps in which some did; those
+    #: requests (one per request and step) and the ones that drafted
+    spec_candidate_steps: int = 0
+    spec_drafting_steps: int = 0
+    spec_draft_candidates: int = 0
+    spec_drafting_requests: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -79,8 +85,9 @@ class EngineStats:
         out.update(spec_figures(out))
         return out
 
-    def line(self) -> str:
-        m = self.as_dict()
+    def line(self, extra: dict[str, Any] | None = None) -> str:
+        """The ``--stats`` line; ``extra``: figures kept elsewhere (the live step costs)."""
+        m = {**self.as_dict(), **(extra or {})}
         return (
             f"steps {self.steps}, computed tokens {self.computed_tokens} (prefill {self.prefill_tokens}), generated {self.generated_tokens} "
             f"({m['generated_tokens_per_second']:.1f} tok/s), prefix hit rate {self.prefix_hit_rate:.1%} ({self.cached_tokens} tokens), "
@@ -103,15 +110,29 @@ def spec_figures(counters: dict[str, Any]) -> dict[str, Any]:
         spec_verified_tokens_per_step=counters.get("spec_verified_tokens", 0) / counters["spec_offers"] if counters.get("spec_offers") else 0.0,
         spec_acceptance_per_position=[a / n if n else 0.0 for a, n in zip(accepted, verified)],
         spec_draft_share=counters.get("draft_seconds", 0.0) / forward if forward else 0.0,
+        spec_drafting_step_share=_share(counters, "spec_drafting_steps", "spec_candidate_steps"),
+        spec_drafting_request_share=_share(counters, "spec_drafting_requests", "spec_draft_candidates"),
     )
+
+
+def _share(counters: dict[str, Any], part: str, whole: str) -> float:
+    n = counters.get(whole, 0)
+    return counters.get(part, 0) / n if n else 0.0
 
 
 def spec_line(m: dict[str, Any]) -> str:
     """The speculative part of ``--stats`` (empty when nothing was verified)."""
-    if not m.get("spec_verifications"):
+    if not m.get("spec_candidate_steps") and not m.get("spec_verifications"):
         return ""
     per_pos = " ".join(f"{a:.2f}" for a in m["spec_acceptance_per_position"])
-    return (
-        f"; speculative: accepted length {m['spec_mean_accepted_length']:.2f}, verified {m['spec_verified_tokens_per_step']:.2f} "
+    line = (
+        f"; speculative: drafted in {m['spec_drafting_step_share']:.1%} of steps for {m['spec_drafting_request_share']:.1%} "
+        f"of requests, accepted length {m['spec_mean_accepted_length']:.2f}, verified {m['spec_verified_tokens_per_step']:.2f} "
         f"drafts per request and step, acceptance by position {per_pos}, draft {m['spec_draft_share']:.1%} of forward"
     )
+    live, startup = m.get("spec_cost_live_ms"), m.get("spec_cost_startup_ms")
+    if startup:
+        line += "; step cost ms at start-up " + " ".join(f"{int(t)}:{ms:.2f}" for t, ms in startup)
+    for shape, points in (live or {}).items():
+        line += f", live {shape} " + " ".join(f"{int(t)}:{ms:.2f}" for t, ms in points)
+    return line

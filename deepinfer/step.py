@@ -92,8 +92,10 @@ class ScheduledSequence:
     fork: ForkSpec | None = None
     #: drafted tokens verified after ``token_ids`` (their logits rows follow the sample's)
     draft_token_ids: list[int] = field(default_factory=list)
-    #: draft the next tokens after this step's sample (the request speculates)
+    #: the request speculates: the positions this step commits join its draft context
     speculate: bool = False
+    #: draft its next tokens after this step's sample (the admission policy chose it for this step)
+    propose: bool = False
     #: it follows the request's step still in flight when it was scheduled (overlap scheduling with
     #: speculation): its token and its drafts are that step's last sample and new drafts, and its
     #: positions assume every draft that step verifies is accepted, so the runner, which knows the
@@ -153,6 +155,10 @@ class Step:
     def sampled(self) -> list[ScheduledSequence]:
         return [s for s in self.sequences if s.sample is not None]
 
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.sequences)
+
 
 #: per position: token id -> (logprob, rank)
 LogprobRow = dict[int, tuple[float, int]]
@@ -195,9 +201,11 @@ class StepResult:
     forward_seconds: float
     #: whether the forward replayed a captured graph
     graph: bool = False
+    #: the replayed graph's token count, padding included (0: eager)
+    graph_tokens: int = 0
     #: drafts for the requests that speculate, for their next step
     drafts: dict[str, DraftProposal] = field(default_factory=dict)
-    #: seconds the draft pass took (its share of the step)
+    #: seconds the draft pass took (its share of the step; keeping the step's context is not in it)
     draft_seconds: float = 0.0
     #: drafted tokens each verifying sequence checked (fewer than scheduled where a chained record's
     #: previous step had no draft for it)

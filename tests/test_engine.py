@@ -227,7 +227,7 @@ def test_planned_kv_budget_counts_the_draft_context_rings():
     budget = 3 << 20
     runner = LLM(backend="cpu", kv_cache_memory=budget, max_model_len=256, max_num_seqs=3).engine.runner
     plan, ring = runner.plan, runner.proposer.ring
-    rings = ring.kv.numel() * ring.kv.element_size() + ring.positions.numel() * ring.positions.element_size()
+    rings = sum(t.numel() * t.element_size() for t in (ring.kv, ring.positions, ring.ctx))  # K=V rows, their positions, context vectors
     assert plan.draft_bytes_per_slot > 0 and rings == plan.num_slots * plan.draft_bytes_per_slot
     assert plan.budget == runner.cache.pool_bytes() + rings <= budget
     assert "the draft's context rings" in plan.describe()

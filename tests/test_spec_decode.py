@@ -15,6 +15,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.model.cache_spec import CacheGeometry, block_size_for
 from deepinfer.model.config import ModelConfig
 from deepinfer.spec_decode import StepCostProfile, admit
+from deepinfer.spec_decode.live_costs import LiveCosts
 from deepinfer_interfaces import Kernels
 from tests.helpers.checkpoints import make_tiny_checkpoint
 
@@ -123,24 +124,28 @@ def test_rejection_sampling_emits_the_target_distribution_whatever_the_draft():
 
 
 @functools.cache
-def _first_two(speculative: bool, overlap: bool = False) -> list[tuple[int, int]]:
-    kw = dict(speculative_policy="all") if speculative else dict(speculative_method=None)
+def _first_two(speculative: bool, overlap: bool = False, partial: bool = False) -> list[tuple[int, int]]:
+    kw = dict(speculative_policy="adaptive" if partial else "all") if speculative else dict(speculative_method=None)
     llm = LLM(backend="cpu", max_num_seqs=256, max_model_len=64, overlap_scheduling=overlap, **kw)
+    if partial:  # some sequences draft, the rest decode plainly: both kinds of second token mix
+        llm.engine.speculation.costs = LiveCosts(StepCostProfile.monotone([1, 600, 2048], [1.0, 1.0, 4.0]), PARTIAL_DRAFT, learn=False)
     # three tokens: the second comes from verifying a draft (a step verifies none when only one token remains)
     # a prompt whose continuations spread over many pairs, at a temperature and top-k that keep ~20 of them frequent
     params = [SamplingParams(n=250, temperature=0.5, top_k=40, max_tokens=3, ignore_eos=True, seed=1000 * s) for s in range(8)]
     outs = llm.generate(["def get_"] * 8, params)
     if speculative:
         m = llm.get_metrics()
-        assert m["spec_verifications"] >= 1500 and (m["spec_chained_records"] >= 2000) == overlap, m
+        assert m["spec_verifications"] >= (300 if partial else 1500) and (m["spec_chained_records"] >= 2000) == overlap, m
+        assert (m["spec_drafting_request_share"] < 0.9) == partial, m
     return [tuple(c.token_ids[:2]) for o in outs for c in o.outputs]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
-def test_speculative_sampling_keeps_the_distribution_of_the_first_two_tokens(overlap):
+@pytest.mark.parametrize("overlap,partial", [(False, False), (True, False), (False, True)], ids=["synchronous", "overlap", "partial"])
+def test_speculative_sampling_keeps_the_distribution_of_the_first_two_tokens(overlap, partial):
     # with overlap the second token comes from a chained record: it verifies the drafts of the step still
-    # in flight when it was scheduled, its position resolved by the runner
-    plain, spec = _first_two(False), _first_two(True, overlap)
+    # in flight when it was scheduled, its position resolved by the runner; partial: only some sequences
+    # draft (the policy pauses the rest), so verified and plainly decoded second tokens mix
+    plain, spec = _first_two(False), _first_two(True, overlap, partial)
     assert len(plain) == len(spec) == 2000
     pooled: dict[tuple[int, int], int] = {}
     for pair in plain + spec:
@@ -190,3 +195,59 @@ def test_speculation_is_on_by_default_with_a_draft_and_refused_without_one(tmp_p
     assert LLM(model=str(ckpt), backend="cpu", max_model_len=128, kv_cache_memory=16 << 20).engine.runner.proposer is None
     with pytest.raises(ConfigError, match="needs a checkpoint with DSpark draft stages.*--speculative none"):
         LLM(model=str(ckpt), backend="cpu", max_model_len=128, kv_cache_memory=16 << 20, speculative_method="dspark")
+
+
+#: a fixed cost model under which drafting pays while at most three sequences decode: a step costs the same
+#: up to eight tokens and one more per token past them; a draft pass costs a whole step
+PAUSING_STEP = StepCostProfile.monotone([1, 8, 64], [1.0, 1.0, 57.0])
+PAUSING_DRAFT = StepCostProfile.monotone([1, 64], [1.0, 1.0])
+#: one under which a full batch of six drafts for a few of its sequences, a shrinking one for all
+PARTIAL_STEP = StepCostProfile.monotone([1, 10, 64], [1.0, 1.0, 55.0])
+PARTIAL_DRAFT = StepCostProfile.monotone([1, 64], [0.3, 0.3])
+
+
+def test_a_request_that_pauses_drafting_under_load_resumes_with_the_same_tokens():
+    llm = LLM(backend="cpu", max_num_seqs=16)
+    engine = llm.engine
+    engine.speculation.costs = LiveCosts(PAUSING_STEP, PAUSING_DRAFT, learn=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    burst = [stem + "name(" for stem in STEMS[:8]]
+    trace: list[tuple[int, bool]] = []  # (sequences decoding, whether the long request drafts next) per step
+
+    def run(until) -> None:
+        while engine.has_unfinished and not until():
+            engine.step()
+            trace.append((len(engine.scheduler.running), long.proposing))
+
+    long = engine.add_request(SYSTEM + "def size(", greedy)
+    run(lambda: len(trace) == 8)
+    alone = len(trace)
+    shorts = [engine.add_request(p, short) for p in burst]
+    run(lambda: all(r.finished for r in shorts))
+    loaded = len(trace)
+    assert not long.finished
+    run(lambda: False)
+    want = LLM(backend="cpu", speculative_method=None).generate([SYSTEM + "def size(", *burst], [greedy] + [short] * 8)
+    got = [engine.output(r) for r in [long, *shorts]]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # it drafted alone, stopped while nine sequences decoded, and drafted again once alone
+    assert all(p for _, p in trace[2:alone]), trace[:alone]
+    assert any(n >= 4 and not p for n, p in trace[alone:loaded]), trace[alone:loaded]
+    assert any(n == 1 and p for n, p in trace[loaded:]), trace[loaded:]
+    m = llm.get_metrics()
+    assert 0 < m["spec_drafting_step_share"] < 1 and 0 < m["spec_drafting_request_share"] < 1
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
+def test_greedy_outputs_equal_plain_decoding_across_drafting_pauses(plain, overlap):
+    # six slots and fifty requests: a full batch drafts for some sequences, so requests pause drafting and resume
+    want, _ = plain
+    llm = LLM(backend="cpu", max_num_seqs=6, max_model_len=320, max_prefill_chunk=48, kv_cache_memory=_budget(True),
+              overlap_scheduling=overlap)
+    llm.engine.speculation.costs = LiveCosts(PARTIAL_STEP, PARTIAL_DRAFT, learn=False)
+    got = llm.generate(_prompts(), _params())
+    assert all(o.error is None for o in got)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    m = llm.get_metrics()
+    assert m["spec_verifications"] > 20 and 0.05 < m["spec_drafting_request_share"] < 0.95, m

@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -451,8 +452,15 @@ class DSparkDraft(ParamTree):
 
     def logits(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """LM-head logits of ``hidden`` states ``[..., D]`` (normed here) plus the Markov bias of the previous tokens ``[...]``."""
-        normed = self.kernels.rms_norm(h, self.norm, self.eps)
-        return normed @ self.head.t() + self.markov_w1[prev_ids] @ self.markov_w2.t()
+        return self.head_logits(h) + self.markov_bias(prev_ids)
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over ``hidden`` states ``[..., D]`` (normed here): what does not depend on the previous token."""
+        return self.kernels.rms_norm(h, self.norm, self.eps) @ self.head.t()
+
+    def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """The Markov head's bias ``markov_w2 · markov_w1[previous token]`` over the vocabulary."""
+        return self.markov_w1[prev_ids] @ self.markov_w2.t()
 
     def accept_logit(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """The confidence head's fp32 logit that a position survives verification given that the earlier ones did,
@@ -493,8 +501,9 @@ class DSparkDraft(ParamTree):
         prevs = [anchor_ids]
         tokens, probs, dists = [], [], []
         sampled = bool((~greedy).any())
+        head = self.head_logits(h)  # the LM head once for the whole block; only the Markov bias is left to right
         for i in range(g):
-            logits = self.logits(h[:, i], prevs[-1]).float()
+            logits = (head[:, i] + self.markov_bias(prevs[-1])).float()
             if not sampled:
                 step_noise = torch.ones((), device=dev).expand_as(logits)
             elif noise is not None:
@@ -526,40 +535,90 @@ def draft_class(target) -> type[DSparkDraft]:
 
 
 class DSparkRing:
-    """Each sequence slot's last ``W`` context rows per stage, written at ``position mod W``."""
+    """Each sequence slot's last ``W`` context positions, written at ``position mod W``, in two forms.
+
+    A committed position's context vector (``ctx``, ``[D]``, what ``DSparkDraft.context`` makes of the
+    target's hidden states) is kept after every step the sequence runs, drafting or not: one projection and
+    one write per step. Each stage's K=V rows of it (``kv``, what the draft pass reads) are derived only when
+    the slot drafts (``stale`` names the rows whose K=V lags their context vector, ``convert`` fills them),
+    so a sequence that paused drafting resumes with its whole window of context at the cost of converting
+    the rows it missed. The host keeps both rows' positions, so finding stale rows never waits for the device.
+    """
 
     def __init__(self, draft: DSparkDraft, num_slots: int) -> None:
         mc, window = draft.model_config, draft.config.dspark_context_window
         dev = draft.device
         self.window = window
         self.kv = torch.zeros(len(draft.stages), num_slots * window, mc.head_dim, dtype=draft.dtype, device=dev)
+        #: the position whose K=V each row holds (-1: none), on the device (``rows`` reads it) and on the host
         self.positions = torch.full((num_slots * window,), -1, dtype=torch.long, device=dev)
+        self.kv_pos = np.full(num_slots * window, -1, dtype=np.int64)
+        self.ctx = torch.zeros(num_slots * window, mc.hidden_size, dtype=draft.dtype, device=dev)
+        #: the position whose context vector each row holds (-1: none), on the host
+        self.ctx_pos = np.full(num_slots * window, -1, dtype=np.int64)
 
     @staticmethod
     def bytes_per_slot(draft: DSparkDraft) -> int:
-        """Device bytes one slot's ring takes: ``W`` context rows per stage and their positions (the KV planner counts it)."""
+        """Device bytes one slot's ring takes: ``W`` context vectors, their K=V rows per stage and the rows'
+        positions (the KV planner counts it)."""
         mc, window = draft.model_config, draft.config.dspark_context_window
         itemsize = torch.empty((), dtype=draft.dtype).element_size()
-        return window * (len(draft.stages) * mc.head_dim * itemsize + torch.empty((), dtype=torch.long).element_size())
+        rows = (len(draft.stages) * mc.head_dim + mc.hidden_size) * itemsize
+        return window * (rows + torch.empty((), dtype=torch.long).element_size())
+
+    def _rows(self, slot: int, positions: np.ndarray) -> np.ndarray:
+        return slot * self.window + positions % self.window
 
     def write(self, slot: int, positions: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store one sequence's committed ``positions`` ``[T]`` (ascending): every stage's rows
-        ``kv`` ``[S, T, head_dim]`` (the last ``W`` are kept)."""
+        """Store one sequence's committed ``positions`` ``[T]`` (ascending) as K=V rows ``kv`` ``[S, T, head_dim]``
+        (the last ``W`` are kept)."""
         positions, kv = positions[-self.window :], kv[:, -self.window :]
-        rows = slot * self.window + positions % self.window
-        self.kv[:, rows] = kv.to(self.kv.dtype)
-        self.positions[rows] = positions
+        pos = positions.cpu().numpy()
+        rows = self._rows(slot, pos)
+        self.kv[:, torch.from_numpy(rows).to(self.kv.device)] = kv.to(self.kv.dtype)
+        self.positions[torch.from_numpy(rows).to(self.kv.device)] = positions.to(self.positions.device)
+        self.kv_pos[rows] = pos
+        self.ctx_pos[rows] = -1  # no context vector behind them: nothing to convert
+
+    def keep(self, rows: np.ndarray, positions: np.ndarray, ctx: torch.Tensor) -> None:
+        """Store context vectors ``ctx`` ``[T, D]`` of ``positions`` at ring ``rows`` (``slot · W + position mod W``;
+        each row once)."""
+        self.ctx[torch.from_numpy(rows).to(self.ctx.device)] = ctx.to(self.ctx.dtype)
+        self.ctx_pos[rows] = positions
+
+    def stale(self, slots: list[int], anchor_pos: np.ndarray) -> np.ndarray:
+        """Rows of ``slots`` whose context vector is inside the window before its anchor (``[p − W, p)``) and
+        whose K=V rows do not hold it yet."""
+        rows = (np.asarray(slots, dtype=np.int64)[:, None] * self.window + np.arange(self.window)).reshape(-1)
+        anchor = np.repeat(np.asarray(anchor_pos, dtype=np.int64), self.window)
+        pos = self.ctx_pos[rows]
+        lag = (pos >= 0) & (pos < anchor) & (pos >= anchor - self.window) & (pos != self.kv_pos[rows])
+        return rows[lag]
+
+    def convert(self, rows: np.ndarray, kv: torch.Tensor) -> None:
+        """Fill ``rows``' K=V with ``kv`` ``[S, T, head_dim]`` made from their context vectors."""
+        index = torch.from_numpy(rows).to(self.kv.device)
+        self.kv[:, index] = kv.to(self.kv.dtype)
+        pos = self.ctx_pos[rows]
+        self.positions[index] = torch.from_numpy(pos).to(self.positions.device)
+        self.kv_pos[rows] = pos
 
     def clear(self, slot: int) -> None:
         """Forget a slot's context (a new sequence takes it, or its state is recomputed)."""
         w = self.window
         self.positions[slot * w : (slot + 1) * w] = -1
+        self.kv_pos[slot * w : (slot + 1) * w] = -1
+        self.ctx_pos[slot * w : (slot + 1) * w] = -1
 
     def copy(self, src: int, dst: int) -> None:
         """Give slot ``dst`` the context of slot ``src`` (a parallel-sampling sibling starting as its copy)."""
         w = self.window
-        self.kv[:, dst * w : (dst + 1) * w] = self.kv[:, src * w : (src + 1) * w]
-        self.positions[dst * w : (dst + 1) * w] = self.positions[src * w : (src + 1) * w]
+        s, d = slice(src * w, (src + 1) * w), slice(dst * w, (dst + 1) * w)
+        self.kv[:, d] = self.kv[:, s]
+        self.ctx[d] = self.ctx[s]
+        self.positions[d] = self.positions[s]
+        self.kv_pos[d] = self.kv_pos[s]
+        self.ctx_pos[d] = self.ctx_pos[s]
 
     def rows(self, slots: list[int], anchor_pos: torch.Tensor) -> torch.Tensor:
         """``[N, W]`` ring rows each anchor may see (context positions in ``[p − W, p)``), ``-1`` elsewhere."""

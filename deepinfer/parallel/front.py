@@ -70,6 +70,7 @@ def merge_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("spec_position_verified", "spec_position_accepted"):
         out[key] = [sum(col) for col in zip(*(m.get(key) or [] for m in per_rank))] if all(m.get(key) for m in per_rank) else []
     out.update(spec_figures(out))  # ratios of the summed counters, not sums of ratios
+    out.update((k, v) for k, v in per_rank[0].items() if k.startswith(("spec_cost_", "spec_draft_cost_")))  # rank 0's estimates
     wall = out.get("wall_seconds") or 0.0
     if wall:
         out["generated_tokens_per_second"] = out.get("generated_tokens", 0) / wall

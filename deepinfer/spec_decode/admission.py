@@ -1,23 +1,42 @@
-"""Which drafted tokens a step verifies: every one, those likely to survive, or as many as pay off.
+"""Which drafted tokens a step verifies, and whether drafting for the next step pays at all.
 
 A request's drafted position ``j`` survives verification only if every earlier
 one does; the draft's confidence head gives that survival probability
-``a(r, j)`` (non-increasing in ``j``). ``adaptive`` follows DSpark's admission
-rule: take the batch's candidate positions in order of falling survival and
-admit them while the expected goodput — tokens a step emits, ``R + Σ admitted
-a``, times steps per second at the step's token count — still rises, stopping
-at the first drop. Steps per second come from a step-cost profile measured on
-the backend (``StepCostProfile``), forced monotone, so a busy device (large
-batch, each token dearer) verifies fewer drafts and an idle one more.
+``a(r, j)`` (non-increasing in ``j``). Every decision here maximises one
+expected goodput: tokens a step emits (one per decoding request, plus the
+admitted drafts' survival) over what the step costs.
+
+- **Verification** (``admit``, ``adaptive``): take the batch's candidate
+  positions in order of falling survival and keep the prefix whose goodput is
+  highest (none, if no prefix beats the plain step). The drafts are already
+  made, but the cycle that made them still took the draft pass's time: it
+  stays in the price (``sunk``), so the marginal position is weighed against
+  the goodput of the whole drafting cycle, not of the verify forward alone
+  (which would verify too little).
+- **Drafting** (``plan_drafting``): whether the next step gets drafts at all,
+  and for how many requests. The price now includes the draft pass (its cost
+  by the number of requests drafting) besides the verify forward, and the
+  options include drafting nothing (a plain decode), drafting for the requests
+  most likely to gain and verifying a prefix, and verifying everything. A
+  busy device stops drafting; an idle one drafts for everyone and verifies
+  every position.
+
+Step costs come from ``StepCostProfile`` (a measured profile, forced
+monotone) or any vectorised cost function (``live_costs.LiveCosts`` corrects
+the start-up profile online from the steps the engine observes).
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
+
+import numpy as np
 
 Policy = Literal["all", "threshold", "adaptive"]
+#: seconds of a step at each of an array of token counts
+CostFn = Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -54,6 +73,40 @@ class StepCostProfile:
         slope = (s[i] - s[i - 1]) / (t[i] - t[i - 1])
         return s[i - 1] + slope * (tokens - t[i - 1])
 
+    def costs(self, tokens: np.ndarray) -> np.ndarray:
+        """``cost`` of each token count of an array."""
+        t, s = np.asarray(self.tokens, dtype=np.float64), np.asarray(self.seconds, dtype=np.float64)
+        x = np.asarray(tokens, dtype=np.float64)
+        if len(t) == 1:
+            return np.maximum(s[0], s[0] * x / t[0])
+        inside = np.interp(x, t, s)
+        slope = (s[-1] - s[-2]) / (t[-1] - t[-2])
+        return np.where(x > t[-1], s[-1] + slope * (x - t[-1]), inside)
+
+
+def best_prefix(values: np.ndarray, emitted: float, costs: np.ndarray) -> tuple[int, float]:
+    """``(k, goodput)``: the prefix of ``values`` (survival chances in the order they are taken) whose
+    expected goodput ``(emitted + Σ values[:k]) / costs[k]`` is highest; ``costs[k]``: seconds of the step
+    with those ``k`` taken (``costs[0]``: with none). Ties keep the shorter prefix."""
+    gain = emitted + np.concatenate(([0.0], np.cumsum(values, dtype=np.float64)))
+    goodput = gain / np.maximum(costs, 1e-12)
+    k = int(np.argmax(goodput))
+    return k, float(goodput[k])
+
+
+def _ranked(survival: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Every drafted position of the batch as ``(survival, request)`` arrays, in the order they are taken:
+    falling survival, then earlier positions, then earlier requests (so a request's positions, whose
+    survival never rises, come in order)."""
+    lengths = np.asarray([len(r) for r in survival], dtype=np.int64)
+    if not lengths.sum():
+        return np.zeros(0), np.zeros(0, dtype=np.int64)
+    values = np.concatenate([np.asarray(r, dtype=np.float64) for r in survival if len(r)])
+    request = np.repeat(np.arange(len(survival)), lengths)
+    position = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    order = np.lexsort((request, position, -values))
+    return values[order], request[order]
+
 
 def admit(
     survival: Sequence[Sequence[float]],
@@ -61,44 +114,97 @@ def admit(
     *,
     threshold: float = 0.5,
     profile: StepCostProfile | None = None,
+    cost: CostFn | None = None,
     base_tokens: int | None = None,
+    emitted: float | None = None,
     budget: int | None = None,
+    sunk: float = 0.0,
 ) -> list[int]:
     """Drafted tokens to verify per request (a prefix of each one's drafts).
 
     ``survival[r]`` holds request ``r``'s survival probabilities, one per drafted position.
+    ``cost`` (or ``profile``): seconds of a step at each token count, for ``adaptive``.
     ``base_tokens``: tokens the step computes anyway (default: one per request, its anchor).
+    ``emitted``: tokens the step emits anyway (default: one per request).
     ``budget``: most drafted tokens the step may add in all.
+    ``sunk``: seconds the drafting cycle already spent on these drafts (the draft pass), part of its price.
     """
-    counts = [0] * len(survival)
-    candidates = sorted(
-        ((a, r, j) for r, row in enumerate(survival) for j, a in enumerate(row)),
-        key=lambda c: (-c[0], c[2], c[1]),
-    )
-    if policy == "threshold":
-        candidates = [c for c in candidates if c[0] >= threshold]
-    elif policy == "adaptive":
-        if profile is None:
-            raise ValueError("adaptive admission needs a step-cost profile")
-        base = len(survival) if base_tokens is None else base_tokens
-        emitted = float(len(survival))
-        best = emitted / profile.cost(base)
-        chosen = []
-        for c in candidates:
-            emitted += c[0]
-            goodput = emitted / profile.cost(base + len(chosen) + 1)
-            if goodput <= best:
-                break
-            best = goodput
-            chosen.append(c)
-        candidates = chosen
-    elif policy != "all":
+    if policy not in ("all", "threshold", "adaptive"):
         raise ValueError(f"speculative_policy {policy!r} is not one of 'all', 'threshold', 'adaptive'")
-    added = 0
-    for _, r, j in candidates:
-        if budget is not None and added >= budget:
-            break
-        if j == counts[r]:  # survival never rises along a request's drafts, so its positions arrive in order
-            counts[r] += 1
-            added += 1
-    return counts
+    values, request = _ranked(survival)
+    if budget is not None:
+        values, request = values[: max(budget, 0)], request[: max(budget, 0)]
+    if policy == "threshold":
+        request = request[values >= threshold]
+    elif policy == "adaptive":
+        if cost is None and profile is None:
+            raise ValueError("adaptive admission needs a step-cost profile")
+        cost = cost or profile.costs
+        base = len(survival) if base_tokens is None else base_tokens
+        costs = cost(base + np.arange(len(values) + 1)) + sunk  # verifying nothing does not win the draft pass back
+        k, _ = best_prefix(values, float(len(survival) if emitted is None else emitted), costs)
+        request = request[:k]
+    return np.bincount(request, minlength=len(survival)).tolist()
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """What drafting for the next step is expected to bring."""
+
+    #: how many requests draft (the first ones of the candidates ranked by expected gain)
+    drafters: int
+    #: expected goodput (tokens/s) of the next step with them drafting, and with nobody drafting
+    goodput: float
+    plain_goodput: float
+
+
+def _draft_counts(n: int) -> list[int]:
+    """The numbers of drafting requests tried out of ``n`` candidates: every one up to 8, then four per
+    doubling, and ``n``."""
+    out, step = list(range(1, 9)), 2
+    while out[-1] < n:
+        out.extend(range(out[-1] + step, 2 * out[-1] + 1, step))
+        step *= 2
+    return [c for c in out if c < n] + [n]
+
+
+def plan_drafting(
+    survival: Sequence[Sequence[float]],
+    *,
+    emitted: float,
+    plain_cost: float,
+    verify_cost: CostFn,
+    draft_cost: CostFn,
+    budget: int | None = None,
+) -> DraftPlan:
+    """How many requests draft for the next step, the draft pass priced in.
+
+    ``survival[r]``: candidate ``r``'s expected survival per drafted position (its last draft's, or the
+    engine's running estimate), as many positions as it may verify, candidates ranked best first (only a
+    leading run of them drafts). ``emitted``: tokens the next step emits without drafts (one per decoding
+    request); ``plain_cost``: its seconds without drafts; ``verify_cost(tokens)``: its seconds with
+    ``tokens`` drafted tokens added; ``draft_cost(n)``: seconds of a draft pass for ``n`` requests. For each
+    number ``n`` of drafting requests the best verified prefix of their positions is found as ``admit``
+    finds it; the best ``n`` wins, and 0 when no plan beats the plain step.
+    """
+    plain = emitted / max(plain_cost, 1e-12)
+    values, request = _ranked(survival)
+    room = None if budget is None else max(budget, 0)
+    if not len(values):
+        return DraftPlan(0, plain, plain)
+    counts = np.asarray(_draft_counts(len(survival)))
+    # taken[i, p]: position p (in ranked order) belongs to one of the first counts[i] requests
+    taken = request[None, :] < counts[:, None]
+    order = np.cumsum(taken, axis=1)  # how many positions each plan has taken up to p
+    if room is not None:  # within the budget, each plan keeps its own first `room` positions
+        taken &= order <= room
+        order = np.minimum(order, room)
+    gain = emitted + np.cumsum(np.where(taken, values[None, :], 0.0), axis=1)
+    top = int(order[:, -1].max()) if len(order) else 0
+    verify = verify_cost(np.arange(top + 1))
+    costs = verify[order] + draft_cost(counts)[:, None]
+    goodput = np.where(taken, gain / np.maximum(costs, 1e-12), -np.inf)
+    best = np.unravel_index(int(np.argmax(goodput)), goodput.shape)
+    if goodput[best] <= plain:
+        return DraftPlan(0, plain, plain)
+    return DraftPlan(int(counts[best[0]]), float(goodput[best]), plain)

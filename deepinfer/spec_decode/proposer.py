@@ -4,14 +4,17 @@ A speculating sequence's context is the ring of its last ``dspark_context_window
 committed positions (``DSparkRing``): after every step the verify forward's
 hidden states at the draft's target layers, for the positions the step
 committed (a prefill chunk's tokens; a decode's anchor and the drafts
-verification accepted), become context rows. Rejected positions never reach
-the ring. A sequence starting from scratch (or replaying after a prefix hit)
-clears its slot's ring first, so the context is recomputed from what it runs.
+verification accepted), become context vectors, whether or not the sequence
+drafts this step. Rejected positions never reach the ring. A sequence starting
+from scratch (or replaying after a prefix hit) clears its slot's ring first, so
+the context is recomputed from what it runs.
 
-One batched pass then drafts ``γ`` tokens for every sequence that sampled and
-speculates, anchored on the token just sampled. The distributions the drafts
-were drawn from stay on the device, keyed by request, until the next step
-verifies them.
+One batched pass then drafts ``γ`` tokens for every sequence the scheduler
+asked to draft (``ScheduledSequence.propose``), anchored on the token just
+sampled; before it, the K=V rows of the context positions those sequences'
+rings have not converted yet (a sequence that paused drafting under load and
+resumes) are made in one batch. The distributions the drafts were drawn from
+stay on the device, keyed by request, until the next step verifies them.
 """
 
 from __future__ import annotations
@@ -23,19 +26,25 @@ import torch
 
 from ..model.dspark import DSparkDraft, DSparkRing
 from ..sampler import Sampler
-from ..step import DraftProposal, SampledToken, Step
+from ..step import DraftProposal, SampledToken, ScheduledSequence, Step
 
 
 @dataclass
 class Observed:
-    """Positions of one sequence the step committed, and where their rows sit in the forward's tokens."""
+    """Positions a step committed, one entry per speculating sequence (arrays of equal length)."""
 
-    slot: int
+    slot: np.ndarray
     #: first committed position (they are consecutive)
-    start: int
-    #: rows of the forward's flat tokens holding them
-    first_row: int
-    count: int
+    start: np.ndarray
+    #: row of the forward's flat tokens holding it
+    first_row: np.ndarray
+    count: np.ndarray
+
+    @classmethod
+    def of(cls, spans: list[tuple[int, int, int, int]]) -> "Observed":
+        """From ``(slot, start, first_row, count)`` per sequence."""
+        cols = np.asarray(spans, dtype=np.int64).reshape(-1, 4)
+        return cls(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3])
 
 
 @dataclass
@@ -66,35 +75,39 @@ class DSparkProposer:
     def forget(self, request_id: str) -> None:
         self._probs.pop(request_id, None)
 
-    def observe(self, hidden: dict[int, torch.Tensor], spans: list[Observed]) -> None:
-        """Write the committed positions ``spans`` of this forward into their rings (``hidden``: the
-        forward's ``[T, D]`` states per target layer)."""
-        spans = [s for s in spans if s.count > 0]
-        if not spans:
+    def observe(self, hidden: dict[int, torch.Tensor], spans: Observed) -> None:
+        """Keep the committed positions ``spans`` of this forward as context vectors in their rings
+        (``hidden``: the forward's ``[T, D]`` states per target layer)."""
+        window = self.ring.window
+        skip = np.maximum(0, spans.count - window)  # only each span's last `window` positions can stay in the ring
+        kept = np.maximum(spans.count - skip, 0)
+        total = int(kept.sum())
+        if not total:
+            return
+        offset = np.arange(total) - np.repeat(np.cumsum(kept) - kept, kept)
+        rows = np.repeat(spans.first_row + skip, kept) + offset
+        pos = np.repeat(spans.start + skip, kept) + offset
+        index = torch.from_numpy(rows).to(self.ring.ctx.device)
+        states = torch.stack([hidden[i][index] for i in self.target_layers], dim=1)
+        self.ring.keep(np.repeat(spans.slot, kept) * window + pos % window, pos, self.draft.context(states))
+
+    def _convert(self, slots: list[int], anchor_pos: np.ndarray) -> None:
+        """Make the K=V rows the anchors' windows lack from their kept context vectors, in one batch."""
+        rows = self.ring.stale(slots, anchor_pos)
+        if not len(rows):
             return
         dev = self.ring.kv.device
-        window = self.ring.window
-        # only each span's last `window` positions can stay in the ring
-        kept = [(s, max(0, s.count - window)) for s in spans]
-        rows = np.concatenate([np.arange(s.first_row + skip, s.first_row + s.count) for s, skip in kept])
-        pos = np.concatenate([np.arange(s.start + skip, s.start + s.count) for s, skip in kept])
-        rows_t = torch.from_numpy(rows).to(dev)
-        pos_t = torch.from_numpy(pos).to(dev)
-        states = torch.stack([hidden[i] for i in self.target_layers], dim=1)[rows_t]
-        ctx = self.draft.context(states)
-        kv = self.draft.context_kv(ctx, pos_t)
-        at = 0
-        for s, skip in kept:
-            n = s.count - skip
-            self.ring.write(s.slot, pos_t[at : at + n], kv[:, at : at + n])
-            at += n
+        pos = torch.from_numpy(self.ring.ctx_pos[rows]).to(dev)
+        self.ring.convert(rows, self.draft.context_kv(self.ring.ctx[torch.from_numpy(rows).to(dev)], pos))
 
     def propose(self, anchors: list[Anchor], anchor_ids: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft for ``anchors`` (their sampled tokens ``anchor_ids`` ``[N]`` on the device):
         ``(tokens [N, γ], survival [N, γ])``. ``noise`` ``[N, γ, V]``: each sampled row's Exp(1) draws."""
         dev = self.ring.kv.device
         slots = [a.slot for a in anchors]
-        pos = torch.tensor([a.position for a in anchors], dtype=torch.int64, device=dev)
+        positions = np.asarray([a.position for a in anchors], dtype=np.int64)
+        self._convert(slots, positions)
+        pos = torch.from_numpy(positions).to(dev)
         temps = torch.tensor([a.temperature for a in anchors], dtype=torch.float32, device=dev)
         sampled = any(a.temperature > 0 for a in anchors)
         out = self.draft.draft(
@@ -116,30 +129,35 @@ class DSparkProposer:
             q.float() if q.is_floating_point() else torch.nn.functional.one_hot(q, vocab).float() for q in rows
         ])
 
-    def after_step(
-        self, step: Step, hidden: dict[int, torch.Tensor], tokens: dict[str, list[SampledToken]],
-        last: torch.Tensor | None, sampler: Sampler, max_positions: int,
-    ) -> dict[str, DraftProposal]:
-        """Take the positions ``step`` committed into the draft's context (its forward's ``hidden`` states;
-        a verifying sequence commits its anchor and the accepted drafts), then draft for every sequence that
-        sampled and speculates, anchored on its last new token (``last``, in sampled order on the device;
-        sampled rows draw their noise from their own generators)."""
-        spans: list[Observed] = []
+    def observe_step(self, step: Step, hidden: dict[int, torch.Tensor], tokens: dict[str, list[SampledToken]]) -> None:
+        """Take the positions ``step`` committed into its speculating sequences' draft contexts (its forward's
+        ``hidden`` states; a verifying sequence commits its anchor and the accepted drafts), and start each
+        forked sequence's context as a copy of its source's."""
+        spans: list[tuple[int, int, int, int]] = []
+        forks: list[ScheduledSequence] = []
         flat = 0
         for s in step.sequences:
-            if not s.num_tokens:
-                continue
-            if s.speculate:
-                committed = len(tokens[s.request_id]) if s.draft_token_ids else s.num_tokens
-                spans.append(Observed(s.slot, s.start, flat, committed))
-            flat += s.num_tokens
-        self.observe(hidden, spans)
+            n = s.num_tokens
+            if s.speculate and n:
+                spans.append((s.slot, s.start, flat, len(tokens[s.request_id]) if s.draft_token_ids else n))
+            flat += n
+            if s.speculate and s.fork is not None:
+                forks.append(s)
+        if spans:
+            self.observe(hidden, Observed.of(spans))
+        for s in forks:
+            self.fork(s.fork.source_slot, s.slot)
+
+    def draft_step(
+        self, step: Step, tokens: dict[str, list[SampledToken]], last: torch.Tensor | None, sampler: Sampler, max_positions: int,
+    ) -> dict[str, DraftProposal]:
+        """Draft for every sequence of ``step`` that sampled and was asked to draft (``propose``), anchored on its
+        last new token (``last``, in sampled order on the device; sampled rows draw their noise from their own
+        generators). Nothing runs when none was asked."""
         anchors, picked = [], []
         for i, s in enumerate(step.sampled):
-            if not s.speculate:
+            if not (s.speculate and s.propose):
                 continue
-            if s.fork is not None:
-                self.fork(s.fork.source_slot, s.slot)
             position = s.start + (len(tokens[s.request_id]) if s.draft_token_ids else s.num_tokens)
             if position + self.gamma <= max_positions:  # the block's positions stay inside the rotary table
                 anchors.append(Anchor(s.request_id, s.slot, position, s.sample.temperature))
