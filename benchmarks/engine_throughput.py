@@ -1,4 +1,4 @@
-"""Throughput of deepinfer (CPU backend, eager and graph mode) against transformers' batched generate, side by side.
+"""Throughput of deepinfer (CPU backend: the defaults, speculation off, graph mode) against transformers' batched generate, side by side.
 
 Same model, same prompts, greedy, at several concurrency levels, on two
 workloads: ``equal`` (every prompt and output the same length) and ``mixed``
@@ -10,7 +10,11 @@ machine's timings vary from run to run). Prints output tokens/s per engine and
 the ratios to transformers; graph mode also reports what capture cost at start-up.
 
     .venv/bin/python benchmarks/engine_throughput.py [--model DIR] [--concurrency 1 16 64]
-        [--workloads equal mixed] [--modes eager graph transformers] [--json]
+        [--workloads equal mixed] [--modes eager nospec graph transformers] [--json]
+
+``eager`` is the engine with its defaults (DSpark speculation on, the adaptive policy, for a
+checkpoint with a draft) and ``nospec`` the same without speculation; their ratio is printed
+beside the row. The engine modes take turns on each repeat.
 
 Graph mode on the CPU compiles each decode graph with inductor (seconds each
 with a warm cache, about a minute cold), so it captures only a few sizes here.
@@ -63,32 +67,54 @@ def capture_sizes(n: int) -> list[int]:
     return [*sizes, n]
 
 
-def run_deepinfer(path, works: list[Workload], graphs: bool, max_model_len: int) -> dict:
-    """The best of one timed run per workload (same shape, different tokens: no prefix-cache hits)."""
+#: the engine's modes: eager (the defaults, speculation on where the checkpoint has a draft), eager with
+#: speculation off, and decode graphs
+ENGINE_MODES = {"eager": dict(enforce_eager=True), "nospec": dict(enforce_eager=True, speculative_method=None), "graph": dict(enforce_eager=False)}
+
+
+def run_deepinfer(path, works: list[Workload], modes: list[str], max_model_len: int) -> dict[str, dict]:
+    """Per engine mode, the best of one timed run per workload (same shape, different tokens: no prefix-cache
+    hits); the modes' engines live side by side and take turns on each workload, so drift hits them alike."""
     n = len(works[0].prompts)
-    t = time.perf_counter()
-    llm = LLM(
-        model=str(path), backend="cpu", kv_cache_memory=512 << 20, max_model_len=max_model_len, max_num_seqs=max(n, 1),
-        enforce_eager=not graphs, graph_capture_sizes=capture_sizes(n) if graphs else None,
-    )
-    startup = time.perf_counter() - t
-    llm.generate(works[0].prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
-    best = None
-    for work in works:
-        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in work.outputs]
-        before = llm.get_metrics()
+    llms, startup = {}, {}
+    for mode in modes:
         t = time.perf_counter()
-        outs = llm.generate(work.prompts, params)
-        wall = time.perf_counter() - t
+        kw = dict(ENGINE_MODES[mode])
+        if mode == "graph":
+            kw["graph_capture_sizes"] = capture_sizes(n)
+        llms[mode] = LLM(model=str(path), backend="cpu", kv_cache_memory=512 << 20, max_model_len=max_model_len, max_num_seqs=max(n, 1), **kw)
+        startup[mode] = time.perf_counter() - t
+        llms[mode].generate(works[0].prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    best: dict[str, dict] = {}
+    for i, work in enumerate(works):
+        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in work.outputs]
+        for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
+            llm = llms[mode]
+            before = llm.get_metrics()
+            t = time.perf_counter()
+            outs = llm.generate(work.prompts, params)
+            wall = time.perf_counter() - t
+            m = llm.get_metrics()
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            run = {
+                "tokens_per_second": tokens / wall, "seconds": wall, "tokens": tokens,
+                "graph_replays": m["graph_replays"] - before["graph_replays"], "steps": m["steps"] - before["steps"],
+                "drafting_request_share": _share(m, before, "spec_drafting_requests", "spec_draft_candidates"),
+            }
+            if mode not in best or run["tokens_per_second"] > best[mode]["tokens_per_second"]:
+                best[mode] = run
+    out = {}
+    for mode, llm in llms.items():
         m = llm.get_metrics()
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        run = {
-            "tokens_per_second": tokens / wall, "seconds": wall, "tokens": tokens,
-            "graph_replays": m["graph_replays"] - before["graph_replays"], "steps": m["steps"] - before["steps"],
-        }
-        best = run if best is None or run["tokens_per_second"] > best["tokens_per_second"] else best
-    m = llm.get_metrics()
-    return {**best, "startup_seconds": startup, "graphs_captured": m["graphs_captured"], "graph_capture_seconds": m["graph_capture_seconds"]}
+        out[mode] = {**best[mode], "startup_seconds": startup[mode], "graphs_captured": m["graphs_captured"],
+                     "graph_capture_seconds": m["graph_capture_seconds"]}
+        llm.close()
+    return out
+
+
+def _share(after: dict, before: dict, part: str, whole: str) -> float:
+    n = after.get(whole, 0) - before.get(whole, 0)
+    return (after.get(part, 0) - before.get(part, 0)) / n if n else 0.0
 
 
 def _left_padded(work: Workload) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--workloads", nargs="+", default=["equal", "mixed"], choices=["equal", "mixed"])
-    ap.add_argument("--modes", nargs="+", default=["eager", "graph", "transformers"], choices=["eager", "graph", "transformers"])
+    ap.add_argument("--modes", nargs="+", default=["eager", "nospec", "graph", "transformers"], choices=["eager", "nospec", "graph", "transformers"],
+                    help="eager: the defaults (speculation on); nospec: eager without speculation; graph: decode graphs; transformers")
     ap.add_argument("--equal-prompt", type=int, default=32, help="prompt length of the equal workload")
     ap.add_argument("--equal-output", type=int, default=32, help="output length of the equal workload")
     ap.add_argument("--seed", type=int, default=0)
@@ -149,9 +176,15 @@ def main(argv: list[str] | None = None) -> None:
             works = [make_workload(kind, n, vocab, args.seed, args.equal_prompt, args.equal_output, r) for r in range(args.repeat)]
             max_len = min(max_pos, max(256, 1 << (works[0].longest - 1).bit_length()))
             row = {"workload": kind, "concurrency": n}
-            for mode in args.modes:
-                row[mode] = run_transformers(path, works) if mode == "transformers" else run_deepinfer(path, works, mode == "graph", max_len)
+            engine_modes = [m for m in args.modes if m != "transformers"]
+            if engine_modes:
+                row.update(run_deepinfer(path, works, engine_modes, max_len))
+            if "transformers" in args.modes:
+                row["transformers"] = run_transformers(path, works)
             line = f"{kind:>8} {n:>3} | " + " | ".join(f"{row[m]['tokens_per_second']:>18.1f}" for m in args.modes)
+            if "eager" in args.modes and "nospec" in args.modes:
+                row["speculation_vs_off"] = row["eager"]["tokens_per_second"] / row["nospec"]["tokens_per_second"]
+                line += f" | defaults/no speculation {row['speculation_vs_off']:.3f} (drafting for {row['eager']['drafting_request_share']:.0%} of requests)"
             if "transformers" in args.modes:
                 hf = row["transformers"]["tokens_per_second"]
                 for m in args.modes:

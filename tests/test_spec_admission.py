@@ -109,22 +109,37 @@ def test_live_costs_follow_observations_robustly():
     assert costs.seconds(key, np.asarray([16]))[0] == pytest.approx(1.0)
     for s in (3.0, 3.1, 2.9, 3.0, 300.0):  # one outlier among steady 3x observations
         costs.record(key, 16, s)
-    assert costs.seconds(key, np.asarray([16]))[0] == pytest.approx(3.0, rel=0.05)
+    assert costs.seconds(key, np.asarray([16]))[0] == pytest.approx(3.0, rel=0.1)
     # a shape never seen borrows the others' corrections; a graph replay is its own shape once seen
-    assert costs.seconds(CostKey("verify"), np.asarray([16]))[0] == pytest.approx(3.0, rel=0.05)
+    assert costs.seconds(CostKey("verify"), np.asarray([16]))[0] == pytest.approx(3.0, rel=0.1)
     for _ in range(3):
         costs.record(CostKey("decode", graph=True), 16, 0.5)
-    assert costs.seconds(CostKey("decode", graph=True), np.asarray([16]))[0] == pytest.approx(0.5)
-    assert costs.seconds(key, np.asarray([16]))[0] == pytest.approx(3.0, rel=0.05)
+    assert costs.seconds(CostKey("decode", graph=True), np.asarray([16]))[0] == pytest.approx(0.5, rel=0.1)
+    assert costs.seconds(key, np.asarray([16]))[0] == pytest.approx(3.0, rel=0.1)
     # monotone in tokens even when the corrections fall
     for _ in range(3):
         costs.record(key, 64, 0.2)
     grid = costs.seconds(key, np.asarray([1, 16, 32, 64, 128]))
     assert np.all(np.diff(grid) >= 0)
     # a window forgets: newer observations replace old ones
-    for _ in range(8):
+    for _ in range(40):
         costs.record(key, 16, 1.0)
-    assert costs.seconds(key, np.asarray([16]))[0] == pytest.approx(1.0)
+    assert costs.seconds(key, np.asarray([16]))[0] == pytest.approx(1.0, rel=0.1)
+
+
+def test_a_busier_machine_moves_the_shapes_it_does_not_run():
+    prior = StepCostProfile.monotone([1, 16, 64, 256], [1.0, 1.0, 2.0, 8.0])
+    costs = LiveCosts(prior, window=16)
+    decode, verify = CostKey("decode"), CostKey("verify")
+    for _ in range(8):
+        costs.record(decode, 16, 1.0)
+        costs.record(verify, 64, 2.0)
+    before = costs.seconds(verify, np.asarray([64]))[0]
+    # from now on only decode steps run, and each takes twice as long: the machine got busier
+    for _ in range(40):
+        costs.record(decode, 16, 2.0)
+    assert costs.seconds(decode, np.asarray([16]))[0] == pytest.approx(2.0, rel=0.1)
+    assert costs.seconds(verify, np.asarray([64]))[0] == pytest.approx(2 * before, rel=0.15)
 
 
 def test_admission_keeps_its_rules():

@@ -12,8 +12,14 @@ the prior's. A shape's correction is the median of the last ``window`` ratios
 recorded in its token bucket (half an octave wide), so one slow step moves
 nothing; between observed buckets' centres it is interpolated, past them the nearest
 holds, and a shape never observed borrows the corrections of shapes that were
-(a verify step's from the decode steps, say). Costs are the prior times the
-correction, non-decreasing in tokens.
+(a verify step's from the decode steps, a draft pass the steps' largest). A machine that gets busier or
+quieter moves every shape at once: each observation's miss against its own
+shape's estimate moves one machine-wide drift factor (the median of the last
+few misses, clipped), ratios
+are kept relative to the drift of their time, and every estimate is scaled by
+the drift of now — so the shapes the policy is not running stay comparable to
+the one it is. Costs are the prior times the correction, non-decreasing in
+tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ from .admission import StepCostProfile
 StepKind = Literal["decode", "verify", "mixed"]
 #: ratios a bucket needs before its median counts
 MIN_SAMPLES = 3
+#: how fast the machine-wide drift follows each observation's miss, and the largest miss (log) one may count
+DRIFT_RATE = 0.3
+DRIFT_CLIP = 0.5
+#: the drift follows the median of this many recent misses
+DRIFT_MISSES = 5
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,9 @@ class LiveCosts:
         self._shapes: dict[CostKey, Corrections] = {}
         #: observations per shape (reported with the estimates)
         self.samples: dict[CostKey, int] = {}
+        #: how much slower (> 1) or faster every step is now than when the kept ratios were recorded
+        self.drift = 1.0
+        self._misses: deque[float] = deque(maxlen=DRIFT_MISSES)
         self._version = 0
         self._curves: dict[CostKey, tuple[int, tuple[np.ndarray, np.ndarray] | None]] = {}
 
@@ -100,8 +114,13 @@ class LiveCosts:
         self.samples[key] = self.samples.get(key, 0) + 1
         if not self.learn:
             return
-        prior = self._prior(key).cost(tokens)
-        self._shapes.setdefault(key, Corrections(self.window)).add(round(2 * math.log2(tokens)), seconds / prior)
+        ratio = seconds / self._prior(key).cost(tokens)
+        at = round(2 * math.log2(tokens))
+        curve = self._shapes[key].medians() if key in self._shapes else None
+        if curve is not None and len(curve[0]):  # how far off this shape's estimate was: the machine's drift
+            self._misses.append(max(-DRIFT_CLIP, min(DRIFT_CLIP, math.log(ratio / (float(np.interp(at, *curve)) * self.drift)))))
+            self.drift *= math.exp(DRIFT_RATE * float(np.median(self._misses)))  # one odd step moves nothing
+        self._shapes.setdefault(key, Corrections(self.window)).add(at, ratio / self.drift)
         self._version += 1
 
     def _prior(self, key: CostKey) -> StepCostProfile:
@@ -117,16 +136,18 @@ class LiveCosts:
         own = self._shapes.get(key)
         if own is not None and len(own.medians()[0]):
             curve = own.medians()
-        elif key != DRAFT:
+        else:  # a draft pass not seen yet is corrected as the steps were (host work, a busier machine)
             others = sorted((k for k in self._shapes if k not in (DRAFT, key)), key=lambda k: (k.graph != key.graph, k.kind))
             curve = next((self._shapes[k].medians() for k in others if len(self._shapes[k].medians()[0])), None)
+            if curve is not None and key == DRAFT:
+                curve = (curve[0], np.full(len(curve[1]), float(np.max(curve[1]))))  # its own token scale: the largest one
         self._curves[key] = (self._version, curve)
         return curve
 
     def _correction(self, key: CostKey, at: np.ndarray) -> np.ndarray:
         """The correction at points ``at`` of the buckets' scale: interpolated between observed buckets."""
         curve = self._curve(key)
-        return np.ones(len(at)) if curve is None else np.interp(at, *curve)
+        return np.full(len(at), self.drift) if curve is None else np.interp(at, *curve) * self.drift
 
     def seconds(self, key: CostKey, tokens: np.ndarray) -> np.ndarray:
         """Estimated seconds at each token count of ``tokens`` (ascending counts give non-decreasing costs)."""

@@ -79,17 +79,22 @@ class DSparkProposer:
         """Keep the committed positions ``spans`` of this forward as context vectors in their rings
         (``hidden``: the forward's ``[T, D]`` states per target layer)."""
         window = self.ring.window
-        skip = np.maximum(0, spans.count - window)  # only each span's last `window` positions can stay in the ring
-        kept = np.maximum(spans.count - skip, 0)
-        total = int(kept.sum())
-        if not total:
-            return
-        offset = np.arange(total) - np.repeat(np.cumsum(kept) - kept, kept)
-        rows = np.repeat(spans.first_row + skip, kept) + offset
-        pos = np.repeat(spans.start + skip, kept) + offset
-        index = torch.from_numpy(rows).to(self.ring.ctx.device)
-        states = torch.stack([hidden[i][index] for i in self.target_layers], dim=1)
-        self.ring.keep(np.repeat(spans.slot, kept) * window + pos % window, pos, self.draft.context(states))
+        if (spans.count == 1).all():  # a decode step: one position per sequence
+            rows, pos, slot = spans.first_row, spans.start, spans.slot
+        else:
+            skip = np.maximum(0, spans.count - window)  # only each span's last `window` positions can stay in the ring
+            kept = np.maximum(spans.count - skip, 0)
+            total = int(kept.sum())
+            if not total:
+                return
+            offset = np.arange(total) - np.repeat(np.cumsum(kept) - kept, kept)
+            rows = np.repeat(spans.first_row + skip, kept) + offset
+            pos = np.repeat(spans.start + skip, kept) + offset
+            slot = np.repeat(spans.slot, kept)
+        states = torch.stack([hidden[i] for i in self.target_layers], dim=1)
+        if len(rows) != states.shape[0] or (rows != np.arange(len(rows))).any():  # not every row of the forward
+            states = states[torch.from_numpy(rows).to(states.device)]
+        self.ring.keep(slot * window + pos % window, pos, self.draft.context(states))
 
     def _convert(self, slots: list[int], anchor_pos: np.ndarray) -> None:
         """Make the K=V rows the anchors' windows lack from their kept context vectors, in one batch."""

@@ -172,14 +172,25 @@ class Speculation:
             return []
         ranked = np.argsort(-self._matrix(last, rooms).sum(axis=1), kind="stable")
         if replan:
-            expected = self._expected(last, rooms)
+            # what the next drafts will achieve: the measured survival per position (the drafts' own figures
+            # pick who drafts first, but over the batch the verifications are what counts)
+            measured = self.measured()
             plan = plan_drafting(
-                [expected[r] for r in ranked], emitted=outlook.decoding,
+                [measured[: max(0, min(rooms[r], self.gamma))] for r in ranked], emitted=outlook.decoding,
                 plain_cost=float(self.step_cost(outlook, np.zeros(1))[0]), verify_cost=lambda t: self.step_cost(outlook, t),
                 draft_cost=self.costs.draft, budget=budget,
             )
             self._plan_shape, self._plan_age, self._drafters = shape, 1, plan.drafters
         return ranked[: self._drafters].tolist()
+
+    def measured(self) -> np.ndarray:
+        """Survival per position as verifications measured it (the share of verified positions kept), the
+        draft's running estimate standing in as ``CALIBRATION_PRIOR`` pseudo-verifications."""
+        s = self.stats
+        verified = np.asarray(s.spec_position_verified[: self.gamma], dtype=np.float64)
+        kept = np.asarray(s.spec_position_accepted[: self.gamma], dtype=np.float64)
+        est = np.asarray(self.estimate)
+        return np.minimum.accumulate((kept + CALIBRATION_PRIOR * est) / (verified + CALIBRATION_PRIOR))
 
     # ----- observations -----
 
