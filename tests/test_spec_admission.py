@@ -11,7 +11,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.spec_decode import StepCostProfile, admit
 from deepinfer.spec_decode.admission import plan_drafting
 from deepinfer.spec_decode.live_costs import CostKey, LiveCosts
-from deepinfer.spec_decode.speculation import REPLAN_STEPS, Speculation, StepOutlook
+from deepinfer.spec_decode.speculation import EXPLORE_AFTER, REPLAN_STEPS, Speculation, StepOutlook
 from deepinfer.stats import EngineStats
 
 SURVIVAL = [0.9, 0.8, 0.7, 0.6, 0.5]
@@ -150,3 +150,19 @@ def test_admission_keeps_its_rules():
     assert admit([survival], "threshold", threshold=0.5) == [3]
     with pytest.raises(ValueError, match="not one of"):
         admit([survival], "sometimes")
+
+
+def test_a_close_call_left_unmeasured_is_measured_again():
+    # drafting everyone is expected to reach 95 % of the plain step's goodput: not chosen, but after a long
+    # run of plain steps the policy drafts for one plan's steps to measure the real costs again
+    near = _speculation(FLAT, StepCostProfile.monotone([1, 512], [28.8, 28.8]), learn=False)
+    far = _speculation(FLAT, StepCostProfile.monotone([1, 512], [40.0, 40.0]), learn=False)
+    outlook = StepOutlook(16, 16)
+    for spec, expect in ((near, True), (far, False)):
+        picks = [len(spec.drafters([SURVIVAL] * 16, [5] * 16, outlook, 4096)) for _ in range(300)]
+        drafting = [i for i, n in enumerate(picks) if n]
+        assert picks[:EXPLORE_AFTER] == [0] * EXPLORE_AFTER
+        if expect:
+            assert drafting and len(drafting) <= (300 // EXPLORE_AFTER) * REPLAN_STEPS, drafting
+        else:
+            assert not drafting

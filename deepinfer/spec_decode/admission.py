@@ -156,6 +156,9 @@ class DraftPlan:
     #: expected goodput (tokens/s) of the next step with them drafting, and with nobody drafting
     goodput: float
     plain_goodput: float
+    #: the best plan that drafts at all (the same as the chosen one unless drafting nobody won), and its goodput
+    best_drafters: int = 0
+    best_goodput: float = 0.0
 
 
 def _draft_counts(n: int) -> list[int]:
@@ -205,6 +208,7 @@ def plan_drafting(
     costs = verify[order] + draft_cost(counts)[:, None]
     goodput = np.where(taken, gain / np.maximum(costs, 1e-12), -np.inf)
     best = np.unravel_index(int(np.argmax(goodput)), goodput.shape)
-    if goodput[best] <= plain:
-        return DraftPlan(0, plain, plain)
-    return DraftPlan(int(counts[best[0]]), float(goodput[best]), plain)
+    n, g = int(counts[best[0]]), float(goodput[best])
+    if g <= plain:
+        return DraftPlan(0, plain, plain, n, g)
+    return DraftPlan(n, g, plain, n, g)

@@ -25,6 +25,7 @@ tokens.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
@@ -83,7 +84,7 @@ class Corrections:
         if self._arrays is None:
             for b, q in self.ratios.items():
                 if b not in self._medians and len(q) >= MIN_SAMPLES:
-                    self._medians[b] = float(np.median(q))
+                    self._medians[b] = statistics.median(q)
             keys = sorted(self._medians)
             self._arrays = (np.asarray(keys, dtype=np.float64), np.asarray([self._medians[k] for k in keys], dtype=np.float64))
         return self._arrays
@@ -119,7 +120,7 @@ class LiveCosts:
         curve = self._shapes[key].medians() if key in self._shapes else None
         if curve is not None and len(curve[0]):  # how far off this shape's estimate was: the machine's drift
             self._misses.append(max(-DRIFT_CLIP, min(DRIFT_CLIP, math.log(ratio / (float(np.interp(at, *curve)) * self.drift)))))
-            self.drift *= math.exp(DRIFT_RATE * float(np.median(self._misses)))  # one odd step moves nothing
+            self.drift *= math.exp(DRIFT_RATE * statistics.median(self._misses))  # one odd step moves nothing
         self._shapes.setdefault(key, Corrections(self.window)).add(at, ratio / self.drift)
         self._version += 1
 

@@ -29,6 +29,12 @@ from ..sampler import Sampler
 from ..step import DraftProposal, SampledToken, ScheduledSequence, Step
 
 
+#: steps whose committed hidden states are kept before they are projected into context vectors together,
+#: and the most rows kept so (a bound on the staged copies' memory)
+KEEP_BATCH = 8
+KEEP_ROWS = 2048
+
+
 @dataclass
 class Observed:
     """Positions a step committed, one entry per speculating sequence (arrays of equal length)."""
@@ -63,21 +69,27 @@ class DSparkProposer:
         self.ring = DSparkRing(draft, num_slots)
         self.gamma = draft.config.dspark_block_size
         self.target_layers = tuple(draft.config.dspark_target_layer_ids)
+        #: (ring rows, positions, ``[T, L, D]`` target states) kept since the last flush
+        self._pending: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
+        self._pending_rows = 0
         #: request id -> ``[γ, V]`` distributions its pending draft was drawn from (greedy: its ``[γ]`` tokens)
         self._probs: dict[str, torch.Tensor] = {}
 
     def clear(self, slot: int) -> None:
+        self.flush()
         self.ring.clear(slot)
 
     def fork(self, source_slot: int, slot: int) -> None:
+        self.flush()
         self.ring.copy(source_slot, slot)
 
     def forget(self, request_id: str) -> None:
         self._probs.pop(request_id, None)
 
     def observe(self, hidden: dict[int, torch.Tensor], spans: Observed) -> None:
-        """Keep the committed positions ``spans`` of this forward as context vectors in their rings
-        (``hidden``: the forward's ``[T, D]`` states per target layer)."""
+        """Keep the committed positions ``spans`` of this forward for their rings (``hidden``: the forward's
+        ``[T, D]`` states per target layer): copied now, projected into context vectors with those of up to
+        ``KEEP_BATCH`` steps (``KEEP_ROWS`` rows) at once, or before anything reads or resets a ring."""
         window = self.ring.window
         if (spans.count == 1).all():  # a decode step: one position per sequence
             rows, pos, slot = spans.first_row, spans.start, spans.slot
@@ -91,13 +103,33 @@ class DSparkProposer:
             rows = np.repeat(spans.first_row + skip, kept) + offset
             pos = np.repeat(spans.start + skip, kept) + offset
             slot = np.repeat(spans.slot, kept)
-        states = torch.stack([hidden[i] for i in self.target_layers], dim=1)
+        states = torch.stack([hidden[i] for i in self.target_layers], dim=1)  # a copy: graph outputs are reused
         if len(rows) != states.shape[0] or (rows != np.arange(len(rows))).any():  # not every row of the forward
             states = states[torch.from_numpy(rows).to(states.device)]
-        self.ring.keep(slot * window + pos % window, pos, self.draft.context(states))
+        self._pending.append((slot * window + pos % window, pos, states))
+        self._pending_rows += len(rows)
+        if len(self._pending) >= KEEP_BATCH or self._pending_rows >= KEEP_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Project the hidden states kept since the last flush into context vectors, in one batch (a ring row
+        written twice keeps its later position)."""
+        if not self._pending:
+            return
+        rows = np.concatenate([r for r, _, _ in self._pending])
+        pos = np.concatenate([q for _, q, _ in self._pending])
+        states = torch.cat([t for _, _, t in self._pending]) if len(self._pending) > 1 else self._pending[0][2]
+        self._pending.clear()
+        self._pending_rows = 0
+        _, last = np.unique(rows[::-1], return_index=True)
+        if len(last) < len(rows):
+            keep = np.sort(len(rows) - 1 - last)
+            rows, pos, states = rows[keep], pos[keep], states[torch.from_numpy(keep).to(states.device)]
+        self.ring.keep(rows, pos, self.draft.context(states))
 
     def _convert(self, slots: list[int], anchor_pos: np.ndarray) -> None:
         """Make the K=V rows the anchors' windows lack from their kept context vectors, in one batch."""
+        self.flush()
         rows = self.ring.stale(slots, anchor_pos)
         if not len(rows):
             return
