@@ -183,9 +183,11 @@ def test_adaptive_admission_verifies_fewer_drafts_as_the_batch_grows():
     assert per_request == [5, 5, 5, 3, 1, 0, 0], per_request
     # threshold keeps the positions whose survival reaches it
     assert admit([survival], "threshold", threshold=0.5) == [3]
-    # the monotone profile never falls
+    # the monotone profile never falls, and one slow measurement is averaged with the ones after it that fall
     noisy = StepCostProfile.monotone([4, 1, 2, 8], [2.0, 1.0, 3.0, 2.5])
-    assert noisy.seconds == (1.0, 3.0, 3.0, 3.0) and noisy.cost(100) >= noisy.cost(8)
+    assert noisy.seconds == (1.0, 2.5, 2.5, 2.5) and noisy.cost(100) >= noisy.cost(8)
+    spike = StepCostProfile.monotone([1, 8, 32, 64, 128], [1.0, 1.2, 3.0, 1.6, 2.0])
+    assert spike.seconds == pytest.approx((1.0, 1.2, 2.2, 2.2, 2.2))
 
 
 def test_speculation_is_on_by_default_with_a_draft_and_refused_without_one(tmp_path):

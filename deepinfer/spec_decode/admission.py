@@ -48,18 +48,26 @@ class StepCostProfile:
 
     @classmethod
     def monotone(cls, tokens: Sequence[int], seconds: Sequence[float]) -> "StepCostProfile":
-        """From measurements (any order, noisy): sorted by tokens, each cost at least the one before."""
+        """From measurements (any order, noisy): sorted by tokens, the least-squares non-decreasing fit (pool
+        adjacent violators: a run that falls is replaced by its mean, so one slow measurement does not raise
+        every cost after it)."""
         pairs = sorted(zip(tokens, seconds))
         if not pairs or pairs[0][0] < 1 or any(s <= 0 for _, s in pairs):
             raise ValueError("a step-cost profile needs positive token counts and positive times")
-        out_t, out_s, best = [], [], 0.0
+        merged: dict[int, list[float]] = {}
         for t, s in pairs:
-            best = max(best, s)
-            if out_t and out_t[-1] == t:
-                out_s[-1] = best
-            else:
-                out_t.append(t)
-                out_s.append(best)
+            merged.setdefault(t, []).append(s)
+        # blocks of (mean, weight, token counts), merged while a block is cheaper than the one before
+        blocks: list[tuple[float, int, list[int]]] = []
+        for t, ss in merged.items():
+            block = (sum(ss) / len(ss), len(ss), [t])
+            while blocks and blocks[-1][0] > block[0]:
+                mean, weight, ts = blocks.pop()
+                total = weight + block[1]
+                block = ((mean * weight + block[0] * block[1]) / total, total, ts + block[2])
+            blocks.append(block)
+        out_t = [t for _, _, ts in blocks for t in ts]
+        out_s = [mean for mean, _, ts in blocks for _ in ts]
         return cls(tuple(out_t), tuple(out_s))
 
     def cost(self, tokens: int) -> float:
