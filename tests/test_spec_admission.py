@@ -166,3 +166,14 @@ def test_a_close_call_left_unmeasured_is_measured_again():
             assert drafting and len(drafting) <= (300 // EXPLORE_AFTER) * REPLAN_STEPS, drafting
         else:
             assert not drafting
+
+
+def test_a_close_call_for_drafting_measures_the_plain_step_again():
+    # drafting everyone is expected to beat the plain step by 5 %: chosen, but after a long run of drafting
+    # steps one plan's steps run plain to measure them again
+    spec = _speculation(FLAT, StepCostProfile.monotone([1, 512], [25.0, 25.0]), learn=False)
+    outlook = StepOutlook(16, 16)
+    picks = [len(spec.drafters([SURVIVAL] * 16, [5] * 16, outlook, 4096)) for _ in range(300)]
+    plain = [i for i, n in enumerate(picks) if not n]
+    assert picks[:EXPLORE_AFTER] == [16] * EXPLORE_AFTER
+    assert plain and len(plain) <= (300 // EXPLORE_AFTER) * REPLAN_STEPS, plain

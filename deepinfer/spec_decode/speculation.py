@@ -30,9 +30,9 @@ ESTIMATE_RATE = 0.05
 CALIBRATION_PRIOR = 8.0
 #: steps a drafting plan serves while the step's shape stays the same (costs and estimates move slowly)
 REPLAN_STEPS = 4
-#: a plan that drafts nobody is overruled once, to measure drafting's real cost again, when the best plan that
-#: drafts comes within this share of the plain step's goodput and nobody drafted for this many steps (costs
-#: unobserved for long drift; a close call deserves a fresh look)
+#: a close call is overruled for one plan's steps when its other side went unmeasured for long (costs not
+#: observed for long drift): a plan that drafts nobody, when the best plan that drafts comes within this share of
+#: the plain step's goodput and nobody drafted for this many steps; a plan that drafts, likewise with the plain step
 EXPLORE_WITHIN = 0.9
 EXPLORE_AFTER = 64
 #: token counts the live estimate is reported at
@@ -91,8 +91,9 @@ class Speculation:
         self._plan_shape: tuple | None = None
         self._plan_age = 0
         self._drafters = 0
-        #: steps since any request last drafted
+        #: steps since any request last drafted, and since a step last drafted for nobody
         self._plain_steps = 0
+        self._drafting_steps = 0
         #: the draft's own survival estimate per position, averaged over the drafts it made
         self.estimate = [FIRST_GUESS ** (j + 1) for j in range(self.gamma)]
         #: per position: the survival the drafts predicted, summed over verifications, and how many survived
@@ -167,8 +168,8 @@ class Speculation:
         """Which candidates draft for the next step, which ``outlook`` predicts. ``last[r]``: the survival
         candidate ``r``'s last draft predicted (None: it has not drafted yet), ``rooms[r]``: how many drafts its
         next step may verify. Under ``adaptive``, those expected to gain most, as many as the drafting plan's
-        goodput asks (none when a plain step is better, except that a close call unchecked for ``EXPLORE_AFTER``
-        steps drafts once to be measured again; a plan is made anew when the step's shape changes, else every
+        goodput asks (none when a plain step is better; a close call whose other side went unmeasured for
+        ``EXPLORE_AFTER`` steps takes that side for one plan, to measure it again; a plan is made anew when the step's shape changes, else every
         ``REPLAN_STEPS`` steps); else every one."""
         n = len(last)
         if self.costs is None or not n:
@@ -178,6 +179,7 @@ class Speculation:
         self._plan_age += 1
         if not replan and not self._drafters:
             self._plain_steps += 1
+            self._drafting_steps = 0
             return []
         ranked = np.argsort(-self._matrix(last, rooms).sum(axis=1), kind="stable")
         if replan:
@@ -190,10 +192,14 @@ class Speculation:
                 draft_cost=self.costs.draft, budget=budget,
             )
             drafters = plan.drafters
+            # a close call whose other side went unmeasured for long: take that side for this plan's steps
             if not drafters and plan.best_goodput >= EXPLORE_WITHIN * plan.plain_goodput and self._plain_steps >= EXPLORE_AFTER:
-                drafters = plan.best_drafters  # a close call unchecked for long: draft for this plan's steps, measure again
+                drafters = plan.best_drafters
+            elif drafters and plan.plain_goodput >= EXPLORE_WITHIN * plan.goodput and self._drafting_steps >= EXPLORE_AFTER:
+                drafters = 0
             self._plan_shape, self._plan_age, self._drafters = shape, 1, drafters
         self._plain_steps = 0 if self._drafters else self._plain_steps + 1
+        self._drafting_steps = self._drafting_steps + 1 if self._drafters else 0
         return ranked[: self._drafters].tolist()
 
     def measured(self) -> np.ndarray:
