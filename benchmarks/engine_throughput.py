@@ -160,8 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--equal-output", type=int, default=32, help="output length of the equal workload")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per engine (fresh prompts each, same shape); the best counts")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     add_json_flag(ap)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = model_dir(args.model)
     config = json.loads((path / "config.json").read_text())
     vocab, max_pos = config["vocab_size"], config["max_position_embeddings"]

@@ -166,7 +166,7 @@ def expected(policy: str, requests: int, survival: tuple[float, ...], profile: S
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,8,32,48,64")
-    ap.add_argument("--repeat", type=int, default=4, help="alternating rounds per concurrency; each mode's best counts")
+    ap.add_argument("--repeat", type=int, default=6, help="alternating rounds per concurrency; each mode's best counts")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for part 1")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--skip-measure", action="store_true", help="only replay the policies on the B200 profile")
