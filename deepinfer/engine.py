@@ -412,7 +412,8 @@ class Engine:
         return changed
 
     def stats_line(self) -> str:
-        return self.stats.line(self.speculation.live_figures() if self.speculation is not None else None) + (store_line(self.store.stats.as_dict()) if self.store is not None else "")
+        live = self.speculation.live_figures() if self.speculation is not None else None
+        return self.stats.line(live) + (store_line(self.store.stats.as_dict()) if self.store is not None else "")
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

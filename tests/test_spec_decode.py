@@ -253,3 +253,10 @@ def test_greedy_outputs_equal_plain_decoding_across_drafting_pauses(plain, overl
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
     m = llm.get_metrics()
     assert m["spec_verifications"] > 20 and 0.05 < m["spec_drafting_request_share"] < 0.95, m
+
+
+def test_engines_of_one_configuration_share_their_start_up_profiles():
+    # the start-up profiles are the policy's prior: measured once per configuration in a process
+    a, b, c = (LLM(backend="cpu", max_num_seqs=n).engine.speculation.costs for n in (2, 2, 3))
+    assert a.prior is b.prior and a.draft_prior is b.draft_prior
+    assert c.prior is not a.prior and c.prior.tokens[-1] == 3 * 6 and c.draft_prior.tokens[-1] == 3
