@@ -60,9 +60,9 @@ def scale(tokens: np.ndarray | float) -> np.ndarray:
     return 2 * np.log2(np.maximum(np.asarray(tokens, dtype=np.float64), 1.0))
 
 
-def bucket(tokens: np.ndarray | float) -> np.ndarray:
-    """Half-octave bucket of a token count: ``scale`` rounded."""
-    return np.rint(scale(tokens)).astype(np.int64)
+def bucket(tokens: int) -> int:
+    """Half-octave bucket of a token count: its ``scale``, rounded."""
+    return round(2 * math.log2(tokens))
 
 
 class Corrections:
@@ -116,7 +116,7 @@ class LiveCosts:
         if not self.learn:
             return
         ratio = seconds / self._prior(key).cost(tokens)
-        at = round(2 * math.log2(tokens))
+        at = bucket(tokens)
         curve = self._shapes[key].medians() if key in self._shapes else None
         if curve is not None and len(curve[0]):  # how far off this shape's estimate was: the machine's drift
             self._misses.append(max(-DRIFT_CLIP, min(DRIFT_CLIP, math.log(ratio / (float(np.interp(at, *curve)) * self.drift)))))
