@@ -123,3 +123,15 @@ class BlockPool:
             self.cached[block_hash] = block_id
             return True
         return False
+
+    def forget_unused(self) -> int:
+        """Drop the names of cached blocks nobody uses (a cache flush); how many were dropped."""
+        dropped = 0
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+                dropped += 1
+        return dropped

@@ -13,7 +13,8 @@ import os
 import sys
 
 from .config import load_config
-from .errors import DeepInferError
+from .engine_flags import add_engine_arguments, engine_overrides
+from .errors import ConfigError, DeepInferError
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
@@ -128,19 +129,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed_request,
         structured_outputs=structured, cache_class=args.cache_class,
     )
-    overrides = {
-        "backend": args.backend, "kernels": args.kernels, "interpret": args.interpret or None, "dtype": args.dtype,
-        "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory, "seed": args.seed,
-        "enforce_eager": args.enforce_eager, "quantization": args.quantization, "expert_parallel_size": args.ep,
-        "num_redundant_experts": args.num_redundant_experts, "eplb_interval": args.eplb_interval,
-        "speculative_method": args.speculative, "speculative_policy": args.speculative_policy,
-        "speculative_threshold": args.speculative_threshold, "num_speculative_tokens": args.num_speculative_tokens,
-        "kv_store": args.kv_store,
-    }
     if args.stats or args.verbose:
         _log_to_stderr()
     # a flag left out is no keyword: the config file, the environment or the default decides
-    llm = LLM(model=args.model, config=args.config, **{k: v for k, v in overrides.items() if v is not None})
+    llm = LLM(model=args.model, config=args.config, **engine_overrides(args))
     labels: list[str] = prompts
     inputs: list[str] | list[list[int]] = prompts
     if chat:
@@ -171,6 +163,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         print(llm.engine.stats_line(), file=sys.stderr)
     return 2 if failed else 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.server import ServeOptions, api_key_from_env, serve
+
+    _log_to_stderr()
+    config = load_config({"model": args.model, **engine_overrides(args)}, args.config)
+    if args.max_queued_requests < 1 or args.shutdown_timeout < 0 or args.max_request_bytes < 1:
+        raise ConfigError("--max-queued-requests and --max-request-bytes must be at least 1, --shutdown-timeout at least 0")
+    options = ServeOptions(
+        host=args.host, port=args.port, api_key=api_key_from_env(args.api_key), served_model_names=args.served_model_name,
+        chat_template=args.chat_template, max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
+        max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser != "none",
+        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser, access_log=args.access_log,
+    )
+    return serve(config, options)
 
 
 def _size(n: int) -> str:
@@ -263,45 +271,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--seed", type=int, default=None, help="engine seed")
-    p.add_argument("--backend", default=None)
-    p.add_argument("--kernels", default=None)
-    p.add_argument("--interpret", action="store_true", help="run Triton kernels on CPU tensors through Triton's interpreter")
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--quantization", default=None, choices=["auto", "dequantize"],
-        help="auto (default): keep the checkpoint's FP8/FP4 weights quantized; dequantize: load them in --dtype",
-    )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument(
-        "--ep", type=int, default=None,
-        help="expert-parallel degree: spawn this many ranks, one device each (under torchrun: its world size)",
-    )
-    p.add_argument("--num-redundant-experts", type=int, default=None, help="with --ep: extra expert slots per layer for hot-expert replicas")
-    p.add_argument("--eplb-interval", type=int, default=None, help="with --ep: steps between re-placements of the experts (0: never)")
-    p.add_argument(
-        "--speculative", default=None, choices=["auto", "dspark", "none"],
-        help="speculative decoding with the checkpoint's DSpark draft (auto, the default: when it has one; none: off)",
-    )
-    p.add_argument(
-        "--speculative-policy", default=None, choices=["all", "threshold", "adaptive"],
-        help="drafted tokens a step verifies: all, those above --speculative-threshold, or adaptive (default: as many as raise goodput)",
-    )
-    p.add_argument("--speculative-threshold", type=float, default=None, help="least survival probability under --speculative-policy threshold")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="most drafted tokens verified per request and step")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
-    p.add_argument("--kv-store", metavar="DIR", default=None, help="keep committed KV blocks in DIR (local or a shared mount) across runs and engines")
+    add_engine_arguments(p)
     p.add_argument("--cache-class", metavar="NAME", default=None, help="with --kv-store: the retention class these prompts' blocks are kept under")
     p.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON matching this schema")
     p.add_argument("--regex", help="constrain the output to this regular expression")
-    p.add_argument(
-        "--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-        help="never capture decode graphs (--no-enforce-eager: capture them even where the device does not by default)",
-    )
     p.add_argument("--stats", action="store_true", help="print the start-up plan and the engine's statistics at the end")
     p.add_argument("--verbose", action="store_true", help="print the start-up plan (KV cache, graph capture)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("serve", help="serve the model over HTTP, OpenAI-compatible (with no --model, the bundled model)")
+    p.add_argument("--model", default=None, help="HF-layout DeepSeek-V4 directory (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics (default: DEEPINFER_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", help="the model's names in the API (the first is reported; default: --model)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's chat format")
+    p.add_argument("--max-queued-requests", type=int, default=1024, help="requests waiting to be scheduled past which new ones get 503")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests in flight before aborting them")
+    p.add_argument("--max-request-bytes", type=int, default=32 << 20, help="largest request body accepted (413 past it)")
+    p.add_argument("--reasoning-parser", default="deepseek_v4", choices=["deepseek_v4", "none"],
+                   help="split <think>...</think> into reasoning_content (none: leave it in content)")
+    p.add_argument("--tool-call-parser", default="auto",
+                   help="tool-call format parsed from replies when tools are declared: auto (the chat format's), deepseek_v4 (DSML), hermes (<tool_call> JSON), or none")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_arguments(p)
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("inspect", help="the memory a checkpoint's weights will take, from config.json and the index alone")
     p.add_argument("--model", default=None, help="HF-layout DeepSeek-V4 (or V4.1) directory; only config.json and the index are read")

@@ -34,7 +34,7 @@ from .sampler import to_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
 from .spec_decode.speculation import Speculation, step_kind
-from .stats import EngineStats
+from .stats import EngineLoad, EngineStats
 from .step import GrammarGate, ScheduledSequence, Step, StepResult, chained_drafts
 from .step_executor import StepExecutor
 from .structured_output import GrammarCompilerCache, allocate_bitmask
@@ -174,6 +174,24 @@ class Engine:
         if self.sharding is not None:
             out["expert_parallel"] = self.sharding.metrics()
         return out
+
+    def load(self) -> EngineLoad:
+        """Requests running and waiting, and the cache they occupy (a server's load report and gauges)."""
+        pool = self.kv.pool
+        sched = self.scheduler
+        return EngineLoad(
+            num_running=len(sched.running), num_waiting=sched.num_waiting,
+            num_tokens=sum(r.num_computed_tokens for r in sched.running), num_blocks=pool.num_blocks,
+            num_used_blocks=pool.num_blocks - pool.num_free,
+        )
+
+    def health(self) -> str | None:
+        """None while the engine can step; one engine in one process has no part that can die alone."""
+        return None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix no request is using (the KV store on disk is kept); blocks dropped."""
+        return self.kv.pool.forget_unused()
 
     # ----- requests -----
 

@@ -11,16 +11,23 @@ from .errors import DeepInferError
 
 
 class InvalidRequestError(DeepInferError, ValueError):
-    """A request whose prompt or parameters cannot be served; reported on that request only."""
+    """A request whose prompt or parameters cannot be served; reported on that request only.
+
+    ``param``: the request field at fault, when one is (a server names it in its error object)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
-def _first_problem(exc: ValidationError, what: str) -> str:
+def _first_problem(exc: ValidationError, what: str) -> tuple[str, str]:
+    """The first problem's field and its one-line description."""
     err = exc.errors()[0]
     field = ".".join(str(p) for p in err["loc"]) or what
     if err["type"] == "extra_forbidden":
-        return f"unknown {what} '{field}'"
+        return field, f"unknown {what} '{field}'"
     msg = err["msg"].removeprefix("Value error, ")
-    return f"invalid {what} '{field}' = {err.get('input')!r}: {msg}"
+    return field, f"invalid {what} '{field}' = {err.get('input')!r}: {msg}"
 
 
 class _Validated(BaseModel):
@@ -33,7 +40,8 @@ class _Validated(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise InvalidRequestError(_first_problem(exc, self.what)) from None
+            field, message = _first_problem(exc, self.what)
+            raise InvalidRequestError(message, param=field) from None
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,11 @@ class Scheduler:
             self.waiting.append(req)
 
     @property
+    def num_waiting(self) -> int:
+        """Requests not yet started: queued, and completions waiting to start as copies of their prompt's first."""
+        return len(self.waiting) + sum(len(f) for f in self._forks.values())
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._forks)
 

@@ -7,8 +7,27 @@ tokens, prefix hits, preemptions), the engine what the device returns
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
+
+
+@dataclass
+class EngineLoad:
+    """What an engine holds right now: what a server reports as its load and its gauges."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    #: tokens whose KV entries occupy cache blocks
+    num_tokens: int = 0
+    num_blocks: int = 0
+    num_used_blocks: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    def __add__(self, other: "EngineLoad") -> "EngineLoad":
+        return EngineLoad(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 @dataclass

@@ -26,10 +26,10 @@ from ..model.config import ModelConfig
 from ..outputs import RequestOutput
 from ..registry import select_backend
 from ..sampling_params import SamplingParams
-from ..stats import spec_figures, spec_line
+from ..stats import EngineLoad, spec_figures, spec_line
 from .launch import SpawnedGroup, spawn_ranks
 from .placement import ExpertPlacement
-from .protocol import Abort, AddRequest, Command, Metrics, RankReport, Shutdown, Tick
+from .protocol import Abort, AddRequest, Command, FlushCache, Metrics, RankReport, Shutdown, Tick
 from .rank_server import RankServer
 
 #: signals that stop a process from outside (a kill, not a crash)
@@ -116,6 +116,9 @@ class ExpertParallelEngine:
         self.requests: dict[str, RemoteRequest] = {}
         self._ids = itertools.count()
         self._outstanding = [0] * self.world
+        self._loads = [EngineLoad() for _ in range(self.world)]
+        #: the longest context every rank serves (known from the ranks' first reports)
+        self.max_model_len = self.model_config.max_position_embeddings
         self._queued: list[Command] = []
         self._metrics: list[dict[str, Any]] | None = None
         self._server = server
@@ -216,6 +219,9 @@ class ExpertParallelEngine:
         changed: dict[str, RemoteRequest] = {}
         for report in reports:
             self._outstanding[report.rank] = report.outstanding_tokens
+            self._loads[report.rank] = report.load
+            if report.max_model_len:
+                self.max_model_len = min(self.max_model_len, report.max_model_len)
             for out in report.outputs:
                 req = self.requests.get(out.request_id)
                 if req is None:
@@ -291,7 +297,25 @@ class ExpertParallelEngine:
                 p.kill()
         self._group.stop(timeout_s=5.0)
 
-    # ----- metrics and shutdown -----
+    # ----- load, health, metrics and shutdown -----
+
+    def load(self) -> EngineLoad:
+        """Every rank's requests and cache occupancy, summed, as of the last tick."""
+        return sum(self._loads, EngineLoad())
+
+    def health(self) -> str | None:
+        """None while every rank is alive; else the one-line failure (every rank is then stopped)."""
+        if self._failed is not None or self._group is None or self._closed:
+            return self._failed
+        problem = self._failure(False, [])
+        if problem is not None:
+            self._abandon()
+            self._failed = problem
+        return problem
+
+    def reset_prefix_cache(self) -> None:
+        """Every rank forgets the cached prefixes nobody uses (at the next tick)."""
+        self._queue(FlushCache())
 
     def get_metrics(self) -> dict[str, Any]:
         """Every rank's counters, merged (one tick; the balance figures are refreshed across ranks)."""

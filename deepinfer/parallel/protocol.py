@@ -13,6 +13,7 @@ from typing import Any
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..stats import EngineLoad
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,18 @@ class Metrics:
 
 
 @dataclass(frozen=True)
+class FlushCache:
+    """Every rank forgets the cached prefixes nobody uses."""
+
+    rank: int = -1
+
+
+@dataclass(frozen=True)
 class Shutdown:
     rank: int = -1
 
 
-Command = AddRequest | Abort | Metrics | Shutdown
+Command = AddRequest | Abort | Metrics | FlushCache | Shutdown
 
 
 @dataclass
@@ -62,5 +70,9 @@ class RankReport:
     #: outstanding tokens (prompt still to compute and tokens still to generate) of its unfinished requests
     outstanding_tokens: int = 0
     metrics: dict[str, Any] | None = None
+    #: its requests and cache occupancy after the tick
+    load: EngineLoad = field(default_factory=EngineLoad)
+    #: the longest context its engine serves
+    max_model_len: int = 0
     #: the rank stepped (ran a forward) this tick
     stepped: bool = False

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..engine import Engine
 from ..request import Request
-from .protocol import Abort, AddRequest, Command, Metrics, RankReport, Shutdown, Tick
+from .protocol import Abort, AddRequest, Command, FlushCache, Metrics, RankReport, Shutdown, Tick
 
 
 def control_group(timeout_s: float) -> "dist.ProcessGroup":
@@ -52,6 +52,8 @@ class RankServer:
                 self.stopped = True
             elif isinstance(cmd, Metrics):
                 metrics = True
+            elif isinstance(cmd, FlushCache):
+                self.engine.reset_prefix_cache()
             elif cmd.rank == self.rank:
                 req = self._apply(cmd)
                 if req is not None:
@@ -83,6 +85,8 @@ class RankServer:
                 report.finished.append(rid)
         self.engine.release(report.finished)
         report.outstanding_tokens = sum(_outstanding(r) for r in self.engine.requests.values())
+        report.load = self.engine.load()
+        report.max_model_len = self.engine.max_model_len
         if metrics:
             report.metrics = self.engine.get_metrics()
         return report

@@ -1,0 +1,178 @@
+"""The FastAPI application: routes, the API key, the body-size limit, and every error as OpenAI's object."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..chat import format_chat
+from ..errors import ChatFormatError
+from ..sampling_params import InvalidRequestError
+from . import chat, completions
+from .async_engine import EngineDeadError
+from .errors import RETRY_AFTER_S, error_for
+from .metrics import CONTENT_TYPE
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from .state import ServerState
+
+#: endpoints anyone may call without the API key (orchestrators' probes, Prometheus)
+OPEN_PATHS = ("/health", "/metrics")
+
+
+def _error(status: int, body: dict[str, Any]) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _Guard:
+    """ASGI middleware in front of everything: bodies past ``max_body_bytes`` are refused before they
+    are read whole (413), and with an API key every path but the open ones needs ``Bearer KEY`` (401)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.api_key):
+                await _error(401, error_body("a valid API key is required: send the header 'Authorization: Bearer KEY'",
+                                             "authentication_error", 401))(scope, receive, send)
+                return
+        length = headers.get(b"content-length")
+        too_big = error_body(f"the request body is larger than this server accepts ({self.max_body_bytes} bytes)",
+                             "invalid_request_error", 413)
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await _error(413, too_big)(scope, receive, send)
+            return
+        seen = 0
+        limit = self.max_body_bytes
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _BodyTooLarge:
+            await _error(413, too_big)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
+    app = FastAPI(title="deepinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or None
+        if err.get("type") == "json_invalid":
+            return _error(400, error_body(f"the request body is not valid JSON: {err.get('msg')}", "invalid_request_error", 400))
+        what = f"'{field}' " if field else ""
+        message = f"invalid request field {what}= {err.get('input')!r}: {err.get('msg')}" if field else f"invalid request body: {err.get('msg')}"
+        return _error(400, error_body(message, "invalid_request_error", 400, field))
+
+    @app.exception_handler(Exception)
+    async def _failed(_: Request, exc: Exception) -> JSONResponse:
+        return _error(*error_for(exc))
+
+    def refuse_when_draining() -> None:
+        if state.draining:
+            raise EngineDeadError("the server is shutting down; send the request to another replica")
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        refuse_when_draining()
+        return await completions.create_completion(body, state, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        refuse_when_draining()
+        return await chat.create_chat_completion(body, state, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(state.started), "owned_by": "deepinfer", "root": state.model_names[0],
+             "max_model_len": state.max_model_len}
+            for name in state.model_names
+        ]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.dead is not None:
+            return _error(503, error_body(f"the engine has failed: {state.engine.dead}", "service_unavailable_error", 503))
+        if state.draining:
+            return _error(503, error_body("the server is shutting down", "service_unavailable_error", 503))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        counters: dict[str, Any] = {}
+        if state.engine.dead is None:
+            counters = await state.engine.call(lambda engine: engine.get_metrics())
+        return Response(state.metrics.render(counters, state.engine.load), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        state.model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            if state.chat_format is None:
+                raise ChatFormatError(state.chat_format_error or "this model has no chat format")
+            ids = format_chat(state.chat_format, state.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt)[0].token_ids
+        else:
+            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        state.model_name(body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        load = state.engine.load
+        return {**state.info, "served_model_names": state.model_names, "max_model_len": state.max_model_len,
+                "uptime_s": time.time() - state.started, "num_requests_running": load.num_running,
+                "num_requests_waiting": load.num_waiting, "kv_cache_usage": load.kv_cache_usage,
+                "engine_error": state.engine.dead}
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, int]]:
+        load = state.engine.load
+        return [{"num_tokens": load.num_tokens, "num_reqs": load.num_running + load.num_waiting,
+                 "num_waiting_reqs": load.num_waiting}]
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict[str, Any]:
+        await state.engine.call(lambda engine: engine.reset_prefix_cache())
+        return {"success": True, "message": "the prefix cache no request is using was flushed"}
+
+    return _Guard(app, api_key, max_body_bytes)  # type: ignore[return-value]
+

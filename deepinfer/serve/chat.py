@@ -1,0 +1,178 @@
+"""``POST /v1/chat/completions``: the conversation in the model's chat format, the reply split into
+reasoning, content and tool calls (in streaming deltas too)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request as HTTPRequest
+
+from ..chat import format_chat
+from ..errors import ChatFormatError
+from ..sampling_params import InvalidRequestError
+from .async_engine import RequestStream
+from .chat_parsing import ChatDelta, ChatOutputParser, ParsedChat, parse_chat_output
+from .deltas import CompletionCursor, chat_logprobs
+from .errors import error_for
+from .params import sampling_params, served_max_tokens
+from .protocol import ChatCompletionRequest
+from .state import ServerState
+from .streaming import DONE, check_output, final_outputs, merged, release, sse
+
+
+def render(body: ChatCompletionRequest, state: ServerState) -> tuple[str, list[int]]:
+    """The prompt text and token ids of the request's conversation."""
+    if state.chat_format is None:
+        raise ChatFormatError(state.chat_format_error or "this model has no chat format; start the server with --chat-template FILE")
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = body.reasoning_effort
+    tools = body.tools if body.tools else None
+    prompt = format_chat(
+        state.chat_format, state.tokenizer, body.messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, kwargs=kwargs,
+    )[0]
+    return prompt.text, prompt.token_ids
+
+
+def _tool_parser(body: ChatCompletionRequest, state: ServerState) -> str | None:
+    """The tool-call format parsed from the reply: only when tools are declared and may be called."""
+    choice = body.tool_choice
+    if not body.tools or choice == "none":
+        return None
+    if choice not in (None, "auto"):
+        raise InvalidRequestError(
+            f"tool_choice {choice!r} is not supported: the model decides when to call (use 'auto' or 'none')", "tool_choice"
+        )
+    return state.tool_call_parser
+
+
+async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, http: HTTPRequest):
+    model = state.model_name(body.model)
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise InvalidRequestError(f"top_logprobs must be between 0 and 20, got {body.top_logprobs}", "top_logprobs")
+    tool_parser = _tool_parser(body, state)
+    text, ids = render(body, state)
+    state.check_prompt(ids, "messages")
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len), logprobs=top)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = state.engine.submit(rid, ids, params, len(ids))
+    created = int(time.time())
+    if body.stream:
+        return StreamingResponse(_stream(body, state, rid, model, created, text, ids, stream, tool_parser), media_type="text/event-stream")
+    out = (await final_outputs(state.engine, [stream], http, state.metrics))[0]
+    choices = []
+    for c in out.outputs:
+        parsed = parse_chat_output(text, c.text, reasoning=state.reasoning_parser, tool_parser=tool_parser)
+        message = _message(parsed, body.include_reasoning)
+        choices.append({
+            "index": c.index, "message": message,
+            "logprobs": {"content": chat_logprobs(c.token_ids, c.logprobs, top, _decoder(state))} if top is not None and c.logprobs is not None else None,
+            "finish_reason": _finish_reason(c.finish_reason, parsed.tool_calls),
+            "stop_reason": c.stop_reason,
+        })
+    usage = _usage(len(ids), sum(len(c.token_ids) for c in out.outputs))
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": usage})
+
+
+def _message(parsed: ParsedChat, include_reasoning: bool) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content if parsed.content or not parsed.tool_calls else None}
+    if parsed.content is None and not parsed.tool_calls:
+        message["content"] = ""
+    if include_reasoning and parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["tool_calls"] = [
+            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}} for t in parsed.tool_calls
+        ]
+    return message
+
+
+def _finish_reason(reason: str | None, tool_calls: list) -> str | None:
+    return "tool_calls" if tool_calls and reason == "stop" else reason
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _decoder(state: ServerState):
+    return lambda tok: state.tokenizer.decode([tok], skip_special_tokens=False)
+
+
+def _delta_fields(d: ChatDelta, include_reasoning: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if d.reasoning and include_reasoning:
+        out["reasoning_content"] = d.reasoning
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        calls = []
+        for t in d.tool_calls:
+            call: dict[str, Any] = {"index": t.index}
+            if t.id is not None:
+                call.update(id=t.id, type="function")
+            fn: dict[str, Any] = {"arguments": t.arguments}
+            if t.name is not None:
+                fn["name"] = t.name
+            call["function"] = fn
+            calls.append(call)
+        out["tool_calls"] = calls
+    return out
+
+
+async def _stream(body: ChatCompletionRequest, state: ServerState, rid: str, model: str, created: int, prompt_text: str,
+                  prompt_ids: list[int], stream: RequestStream, tool_parser: str | None) -> AsyncIterator[str]:
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    cursors: list[CompletionCursor] = []
+    parsers: list[ChatOutputParser] = []
+    called: list[bool] = []
+    completion_tokens = 0
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    try:
+        for j in range(body.n):
+            yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+        async for _, out in merged([stream]):
+            try:
+                out = check_output(stream, out)
+            except Exception as exc:  # noqa: BLE001 - the status line is sent: the failure goes in the stream
+                yield sse(error_for(exc)[1])
+                continue
+            if not cursors:
+                cursors = [CompletionCursor(stop) for _ in out.outputs]
+                parsers = [ChatOutputParser(prompt_text, reasoning=state.reasoning_parser, tool_parser=tool_parser) for _ in out.outputs]
+                called = [False] * len(out.outputs)
+            choices = []
+            for c, cursor, parser in zip(out.outputs, cursors, parsers):
+                delta = cursor.advance(c)
+                if delta is None:
+                    continue
+                completion_tokens += len(delta.token_ids)
+                parsed = parser.feed(delta.text)
+                if delta.finish_reason is not None:
+                    tail = parser.finish()
+                    parsed = ChatDelta(parsed.reasoning + tail.reasoning, parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
+                called[c.index] = called[c.index] or bool(parsed.tool_calls)
+                fields = _delta_fields(parsed, body.include_reasoning)
+                lp = None
+                if top is not None and delta.logprobs is not None and delta.token_ids:
+                    lp = {"content": chat_logprobs(delta.token_ids, delta.logprobs, top, _decoder(state))}
+                if not fields and lp is None and delta.finish_reason is None:
+                    continue
+                finish = _finish_reason(delta.finish_reason, [True] if called[c.index] else [])
+                choices.append({"index": c.index, "delta": fields, "logprobs": lp, "finish_reason": finish})
+            if choices:
+                yield sse({**head, "choices": choices})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": _usage(len(prompt_ids), completion_tokens)})
+        yield DONE
+    finally:
+        release(state.engine, [stream], state.metrics)

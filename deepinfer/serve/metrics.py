@@ -1,0 +1,111 @@
+"""``GET /metrics``: the engine's counters and the server's latency histograms in Prometheus text.
+
+Counters and gauges are read from the engine at scrape time (one snapshot per
+scrape, taken on the stepping thread); the latency histograms are observed by
+the server as each request finishes, from the times its outputs were delivered.
+Names follow vLLM's (``vllm:`` becomes ``deepinfer:``), so existing dashboards
+carry over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ..stats import EngineLoad
+from .async_engine import StreamTiming
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+#: engine counter -> (metric name, help)
+_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens scheduled"),
+    "generated_tokens": ("generation_tokens", "Tokens generated"),
+    "cached_tokens": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
+    "preemptions": ("num_preemptions", "Requests preempted (recomputed) because the cache ran out of blocks"),
+    "kv_store_hit_tokens": ("kv_store_hits", "Prompt tokens served from the KV store"),
+    "kv_store_lookups": ("kv_store_queries", "Lookups in the KV store"),
+    "spec_verified_tokens": ("spec_decode_num_draft_tokens", "Drafted tokens verified"),
+    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Drafted tokens accepted"),
+    "steps": ("engine_steps", "Engine steps"),
+}
+
+
+class _EngineCollector(Collector):
+    """Yields the last engine snapshot the server fetched (``update`` before each scrape)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.counters: dict[str, Any] = {}
+        self.load = EngineLoad()
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["model_name"]
+        value = [self.model_name]
+        for help_name, figure, text in (
+            ("num_requests_running", self.load.num_running, "Requests in the running batch"),
+            ("num_requests_waiting", self.load.num_waiting, "Requests waiting to be scheduled"),
+            ("kv_cache_usage_perc", self.load.kv_cache_usage, "Share of KV-cache blocks in use (1 = full)"),
+        ):
+            g = GaugeMetricFamily(f"deepinfer:{help_name}", text, labels=labels)
+            g.add_metric(value, figure)
+            yield g
+        for key, (name, text) in _COUNTERS.items():
+            c = CounterMetricFamily(f"deepinfer:{name}", text, labels=labels)
+            c.add_metric(value, float(self.counters.get(key, 0) or 0))
+            yield c
+        c = CounterMetricFamily("deepinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=labels)
+        c.add_metric(value, float(self.counters.get("prompt_tokens", 0) or 0))
+        yield c
+        g = GaugeMetricFamily("deepinfer:spec_decode_mean_accepted_length", "Tokens a verification emits per request (accepted drafts + 1)", labels=labels)
+        g.add_metric(value, float(self.counters.get("spec_mean_accepted_length", 0.0) or 0.0))
+        yield g
+
+
+class ServerMetrics:
+    """The server's Prometheus registry: engine figures at scrape time, latencies as requests finish."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.engine = _EngineCollector(model_name)
+        self.registry.register(self.engine)
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.ttft = Histogram("deepinfer:time_to_first_token_seconds", "Time from arrival to the first token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("deepinfer:inter_token_latency_seconds", "Time between consecutive output tokens",
+                             labels, buckets=_TOKEN_GAP_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("deepinfer:e2e_request_latency_seconds", "Time from arrival to the last token",
+                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("deepinfer:request_success", "Requests finished, by finish reason",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.failed = Counter("deepinfer:request_failure", "Requests that failed (engine errors, aborts)",
+                              labels, registry=self.registry)
+
+    def observe(self, timing: StreamTiming, finish_reasons: list[str | None]) -> None:
+        """A request finished: its latencies and why it stopped."""
+        name = self.model_name
+        if timing.first_token is not None:
+            self.ttft.labels(name).observe(timing.first_token - timing.arrival)
+        itl = self.itl.labels(name)
+        for gap in timing.token_gaps:
+            itl.observe(gap)
+        if timing.finished is not None:
+            self.e2e.labels(name).observe(timing.finished - timing.arrival)
+        for reason in finish_reasons:
+            if reason in ("stop", "length", "tool_calls"):
+                self.finished.labels(name, reason).inc()
+            else:
+                self.failed.labels(name).inc()
+
+    def render(self, counters: dict[str, Any], load: EngineLoad) -> bytes:
+        self.engine.counters = counters
+        self.engine.load = load
+        return generate_latest(self.registry)

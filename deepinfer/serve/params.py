@@ -1,0 +1,89 @@
+"""From an OpenAI request body to the engine's ``SamplingParams``, every problem naming its field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from .protocol import SamplingFields
+
+#: OpenAI's default temperature (the engine's too)
+DEFAULT_TEMPERATURE = 1.0
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
+    """The one output constraint a request asks for: ``response_format``, ``structured_outputs`` or a ``guided_*`` field."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", StructuredOutputsParams(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+        if schema is None:
+            raise InvalidRequestError("response_format json_schema needs json_schema.schema (a JSON schema object)", "response_format")
+        found.append(("response_format", StructuredOutputsParams(json=schema)))
+    so = body.structured_outputs
+    if so is not None:
+        given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("grammar", so.grammar), ("choice", so.choice)) if v is not None}
+        try:
+            found.append(("structured_outputs", StructuredOutputsParams(**given, json_object=bool(so.json_object))))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc), "structured_outputs") from None
+    guided = {"json": body.guided_json, "regex": body.guided_regex, "grammar": body.guided_grammar, "choice": body.guided_choice}
+    for key, value in guided.items():
+        if value is not None:
+            found.append((f"guided_{key}", StructuredOutputsParams(**{key: value})))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise InvalidRequestError(f"give one output constraint, not several ({names})", found[1][0])
+    if not found:
+        return None
+    name, params = found[0]
+    if params.json is not None and isinstance(params.json, str):
+        try:
+            json.loads(params.json)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"{name}: the JSON schema is not valid JSON ({exc.msg})", name) from None
+    return params
+
+
+def sampling_params(
+    body: SamplingFields, *, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None
+) -> SamplingParams:
+    """The engine's parameters for ``body``, generating at most ``max_tokens``."""
+    fields: dict[str, Any] = dict(
+        n=body.n,
+        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        max_tokens=max_tokens,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        seed=body.seed,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        structured_outputs=structured_outputs(body),
+        cache_class=body.cache_class,
+    )
+    for name in ("top_p", "top_k", "min_p"):
+        value = getattr(body, name)
+        if value is not None:
+            fields[name] = value
+    return SamplingParams(**fields)
+
+
+def served_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """Tokens a request may generate: what it asked (refused when past the context), else the rest of the context."""
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        return max(room, 1)
+    if requested < 1:
+        raise InvalidRequestError(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+    if requested > room:
+        raise InvalidRequestError(
+            f"max_tokens is {requested} but the prompt has {num_prompt_tokens} tokens and the model's context is "
+            f"{max_model_len}; at most {room} tokens can be generated: lower max_tokens or shorten the prompt",
+            "max_tokens",
+        )
+    return requested

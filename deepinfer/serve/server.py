@@ -1,0 +1,190 @@
+"""``deepinfer serve``: load the engine, bind the port, serve until SIGTERM or an engine failure.
+
+Start-up prints what it is doing (weights, the KV-cache plan, graph capture)
+and one ``ready`` line. SIGTERM (or Ctrl-C) drains: the listening socket
+closes, ``/health`` turns 503, requests in flight finish for up to
+``--shutdown-timeout`` seconds and are then aborted, and the process exits 0.
+An engine failure (a dead rank) fails the requests in flight with 500, turns
+``/health`` to 503 and exits 1, so an orchestrator restarts the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from ..chat import ChatFormat, JinjaFormat, chat_format_for
+from ..config import EngineConfig
+from ..engine import resolve_model_dir
+from ..errors import ChatFormatError, ConfigError
+from .async_engine import AsyncEngine
+from .chat_parsing import TOOL_PARSERS
+from .metrics import ServerMetrics
+from .state import ServerState
+
+log = logging.getLogger("deepinfer")
+
+#: seconds a failed engine's server keeps answering 503 before it exits (probes see why)
+DEAD_EXIT_DELAY_S = 1.0
+
+
+@dataclass
+class ServeOptions:
+    """The server's own settings (the engine's are an ``EngineConfig``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: list[str] | None = None
+    chat_template: str | None = None
+    max_queued_requests: int = 1024
+    shutdown_timeout: float = 30.0
+    max_request_bytes: int = 32 << 20
+    reasoning_parser: bool = True
+    #: "auto": the format the chat template writes calls in (DSML for DeepSeek-V4, else <tool_call> JSON if the template uses it)
+    tool_call_parser: str | None = "auto"
+    access_log: bool = False
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that also marks the state draining on SIGTERM / SIGINT, so ``/health`` says so."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.state.draining:
+            log.info("shutting down: finishing the requests in flight (up to %.0f s)", self.config.timeout_graceful_shutdown or 0)
+        self.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or --host") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _tool_call_parser(choice: str | None, fmt: ChatFormat | None) -> str | None:
+    """``auto``: DSML for the DeepSeek-V4 format and templates that write it, ``hermes`` for templates writing
+    ``<tool_call>`` JSON."""
+    if choice != "auto":
+        return choice
+    if isinstance(fmt, JinjaFormat) and "<tool_call>" in str(fmt.template) and "DSML" not in str(fmt.template):
+        return "hermes"
+    return "deepseek_v4"
+
+
+def _default_name(config: EngineConfig) -> str:
+    return config.model if config.model is not None else resolve_model_dir(None).name
+
+
+def serve(config: EngineConfig, options: ServeOptions) -> int:
+    """Run the server in this process until it is told to stop; the exit status."""
+    if options.tool_call_parser not in (None, "auto", *TOOL_PARSERS):
+        raise ConfigError(f"--tool-call-parser {options.tool_call_parser!r} is unknown; choose auto, {', '.join(TOOL_PARSERS)} or none")
+    template = None
+    if options.chat_template:
+        try:
+            template = Path(options.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --chat-template {options.chat_template}: {getattr(exc, 'strerror', None) or exc}") from None
+    sock = _bind(options.host, options.port)  # before loading: a taken port fails at once
+    from ..parallel.engines import make_engine
+
+    model_dir = resolve_model_dir(config.model)
+    started = time.monotonic()
+    log.info("loading %s (backend %s%s)", model_dir, config.backend, f", --ep {config.expert_parallel_size}" if config.expert_parallel_size > 1 else "")
+    engine = make_engine(config)
+    try:
+        fmt, fmt_error = chat_format_for(model_dir, engine.tokenizer, engine.model_config.model_type, template), None
+    except ChatFormatError as exc:
+        fmt, fmt_error = None, str(exc)
+    names = options.served_model_names or [_default_name(config)]
+    backend = getattr(engine, "backend", None)
+    info = {
+        "model_path": str(model_dir), "model_type": engine.model_config.model_type,
+        "engine_config": config.model_dump(mode="json"), "backend": backend.name if backend is not None else config.backend,
+        "chat_format": fmt.name if fmt is not None else None, "version": _version(),
+    }
+    state = ServerState(
+        engine=None,  # type: ignore[arg-type]  # set below, once the loop runs
+        tokenizer=engine.tokenizer, model_names=names, max_model_len=engine.max_model_len,
+        vocab_size=engine.model_config.vocab_size, metrics=ServerMetrics(names[0]), chat_format=fmt, chat_format_error=fmt_error,
+        reasoning_parser=options.reasoning_parser, tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=info,
+    )
+    return asyncio.run(_run(engine, state, options, sock, time.monotonic() - started))
+
+
+async def _run(engine, state: ServerState, options: ServeOptions, sock: socket.socket, load_seconds: float) -> int:
+    from .app import build_app
+
+    failed: list[str] = []
+    server: _Server | None = None
+
+    def on_dead(message: str) -> None:
+        failed.append(message)
+        state.draining = True
+        if server is not None:
+            asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, setattr, server, "should_exit", True)
+
+    state.engine = AsyncEngine(engine, options.max_queued_requests, on_dead)
+    app = build_app(state, options.api_key, options.max_request_bytes)
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=options.access_log, timeout_graceful_shutdown=int(options.shutdown_timeout) or None,
+        timeout_keep_alive=5,
+    )
+    server = _Server(config, state)
+    state.engine.start()
+    ready = asyncio.create_task(_announce(server, state, options, load_seconds))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        ready.cancel()
+        await state.engine.stop()
+    if failed:
+        print(f"deepinfer: error: the engine failed: {failed[0]}; exiting so the server is restarted", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _announce(server: _Server, state: ServerState, options: ServeOptions, load_seconds: float) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    host = f"[{options.host}]" if ":" in options.host else options.host
+    auth = ", API key required" if options.api_key else ""
+    print(
+        f"deepinfer: ready: serving {', '.join(map(repr, state.model_names))} at http://{host}:{options.port} "
+        f"(loaded in {load_seconds:.1f} s{auth})", file=sys.stderr, flush=True,
+    )
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("deepinfer")
+    except Exception:  # noqa: BLE001 - a source checkout without metadata
+        return "unknown"
+
+
+def api_key_from_env(given: str | None) -> str | None:
+    """``--api-key``, else ``DEEPINFER_API_KEY``; an empty key means none."""
+    key = given if given is not None else os.environ.get("DEEPINFER_API_KEY")
+    return key or None

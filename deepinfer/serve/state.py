@@ -1,0 +1,60 @@
+"""What every endpoint of one server shares: its engine, names, chat format and metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from ..chat import ChatFormat
+from ..sampling_params import InvalidRequestError
+from .async_engine import AsyncEngine
+from .metrics import ServerMetrics
+
+
+class ModelNotFound(InvalidRequestError):
+    """A request named a model this server does not serve (404)."""
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    #: the names clients may use in ``model``; the first is the one responses carry
+    model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    metrics: ServerMetrics
+    #: the chat format, or the one-line reason there is none (chat requests get a 400 with it)
+    chat_format: ChatFormat | None
+    chat_format_error: str | None
+    #: whether thinking is split into ``reasoning_content``; which tool-call format is parsed
+    reasoning_parser: bool
+    tool_call_parser: str | None
+    #: facts ``/server_info`` reports (engine configuration, backend, ...)
+    info: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    #: the server stops taking requests (SIGTERM: draining)
+    draining: bool = False
+
+    def model_name(self, requested: str | None) -> str:
+        """The name a response carries; an unknown requested name is a 404."""
+        if requested is None or requested in self.model_names:
+            return self.model_names[0] if requested is None else requested
+        raise ModelNotFound(
+            f"the model '{requested}' does not exist on this server; it serves {', '.join(map(repr, self.model_names))}", "model"
+        )
+
+    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
+        """Refuse an empty prompt, token ids outside the vocabulary, or a prompt the context cannot hold."""
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token", param)
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size}); fix the token ids", param)
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens but this model's context length is {self.max_model_len}; "
+                "shorten the prompt", param,
+            )

@@ -1,0 +1,106 @@
+"""Waiting on requests from a handler: every update of several streams, SSE framing, failures, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+
+from ..errors import DeepInferError
+from ..outputs import RequestOutput
+from ..sampling_params import InvalidRequestError
+from .async_engine import AsyncEngine, RequestStream
+from .metrics import ServerMetrics
+
+DONE = "data: [DONE]\n\n"
+#: seconds between checks that a non-streaming client is still connected
+DISCONNECT_POLL_S = 0.5
+
+
+class RequestFailed(DeepInferError):
+    """The engine could not finish a request (500): a rank died, or a kernel misbehaved."""
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def check_output(stream: RequestStream, out: RequestOutput | None) -> RequestOutput:
+    """The snapshot, or the request's failure as an exception: refused on arrival (nothing generated) is
+    the client's problem (400), a failure after that is the server's (500)."""
+    if out is None:
+        raise RequestFailed(stream.error or "the request failed")
+    if out.error:
+        if not any(c.token_ids for c in out.outputs):
+            raise InvalidRequestError(out.error)
+        raise RequestFailed(out.error)
+    return out
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput | None]]:
+    """``(which stream, snapshot)`` for every update of any of ``streams`` until all finish (None: it failed)."""
+    if len(streams) == 1:
+        async for out in streams[0].updates():
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        async for out in stream.updates():
+            await queue.put((i, out))
+        await queue.put((i, StopAsyncIteration))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out = await queue.get()
+            if out is StopAsyncIteration:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def final_outputs(
+    engine: AsyncEngine, streams: list[RequestStream], http: HTTPRequest, metrics: ServerMetrics
+) -> list[RequestOutput]:
+    """Each stream's last snapshot once all have finished; a client that disconnects meanwhile aborts them."""
+    latest: list[RequestOutput | None] = [None] * len(streams)
+    waiter = asyncio.ensure_future(_collect(streams, latest))
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
+            if done:
+                waiter.result()
+                break
+            if await http.is_disconnected():
+                raise asyncio.CancelledError
+    finally:
+        waiter.cancel()
+        release(engine, streams, metrics)
+    return [check_output(s, out) for s, out in zip(streams, latest)]
+
+
+async def _collect(streams: list[RequestStream], latest: list[RequestOutput | None]) -> None:
+    async for i, out in merged(streams):
+        latest[i] = out
+
+
+def release(engine: AsyncEngine, streams: list[RequestStream], metrics: ServerMetrics) -> None:
+    """The handler is done with its requests: abort those still running (the client left), forget the
+    rest; either way their latencies and outcomes are counted."""
+    for s in streams:
+        out = s.latest
+        reasons = [c.finish_reason for c in out.outputs] if out is not None and out.outputs and s.error is None else [None]
+        if s.finished:
+            engine.done(s.request_id)
+        else:
+            engine.abort(s.request_id)
+            reasons = [None]
+        metrics.observe(s.timing, reasons)
