@@ -144,9 +144,11 @@ class ModelRunner:
         self.dtype = self._dtype(cfg.dtype)
         self.stats = stats if stats is not None else EngineStats()
         self.device.manual_seed(cfg.seed)
+        started = time.perf_counter()
         self.model = CausalLM.from_pretrained(
             model_dir, self.kernels, dtype=self.dtype, device=self.torch_device, quantization=cfg.quantization, sharding=sharding
         )
+        log.info(f"weights: loaded onto {self.torch_device} in {time.perf_counter() - started:.1f} s ({cfg.quantization} quantization)")
         if sharding is not None:
             sharding.moe_layers = [layer.ffn for layer in self.model.layers]
         self.config = self.model.config

@@ -16,7 +16,7 @@ import pytest
 from deepinfer import LLM, SamplingParams
 from deepinfer.chat import deepseek_v4, parse_conversation
 from deepinfer.errors import ChatFormatError
-from tests.helpers.chat_models import ASSISTANT, BOS, END_THINK, EOS, IDS, THINK, USER, byte_ids, v4_chat_model
+from tests.helpers.chat_models import ASSISTANT, BOS, END_THINK, EOS, IDS, THINK, USER, byte_ids, v4_chat_model, without_chat_format
 from tests.helpers.plugins import run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -180,8 +180,8 @@ def test_checkpoint_chat_template_wins(tmp_path):
         llm.format_chat(TWO_TURNS, chat_template="{{ raise_exception('no system role') }}")
 
 
-def test_model_without_chat_format_is_one_clear_error():
-    llm = LLM(**ENGINE)  # the bundled model: no chat_template, no V4 chat tokens
+def test_model_without_chat_format_is_one_clear_error(tmp_path):
+    llm = LLM(model=str(without_chat_format(tmp_path / "plain")), **ENGINE)  # no chat_template, no V4 chat tokens
     with pytest.raises(ChatFormatError, match="this model has no chat format") as exc:
         llm.chat([{"role": "user", "content": "hi"}])
     assert "use generate with a formatted prompt" in str(exc.value) and "\n" not in str(exc.value)
@@ -242,15 +242,14 @@ def test_cli_generate_chat_matches_llm_chat(bundled_chat_dir, tmp_path):
         (["--messages", "{file}"], '[{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]', "message 1 has role 'bot'"),
         (["--messages", "{file}"], '[{"role": "user"', "is not valid JSON"),
         (["--prompt", "hi", "--thinking"], None, "add --chat"),
-        (["--prompt", "hi", "--chat", "--model", "{bundled}"], None, "this model has no chat format"),
+        (["--prompt", "hi", "--chat", "--model", "{plain}"], None, "this model has no chat format"),
     ],
 )
 def test_cli_chat_bad_input_one_line_exit_2(bundled_chat_dir, tmp_path, extra, content, message):
-    from deepinfer.engine import BUNDLED_MODEL
-
     if content is not None:
         (tmp_path / "m.json").write_text(content)
-    extra = [a.format(file=tmp_path / "m.json", bundled=BUNDLED_MODEL) for a in extra]
+    plain = without_chat_format(tmp_path / "plain") if any("{plain}" in a for a in extra) else None
+    extra = [a.format(file=tmp_path / "m.json", plain=plain) for a in extra]
     proc = run_cli(["generate", "--model", str(bundled_chat_dir), *BASE, *extra])
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

@@ -9,10 +9,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..chat import format_chat
-from ..errors import ChatFormatError
+from ..errors import ChatFormatError, DeepInferError
 from ..sampling_params import InvalidRequestError
 from . import chat, completions
 from .async_engine import EngineDeadError
@@ -32,7 +33,8 @@ def _error(status: int, body: dict[str, Any]) -> JSONResponse:
 
 class _Guard:
     """ASGI middleware in front of everything: bodies past ``max_body_bytes`` are refused before they
-    are read whole (413), and with an API key every path but the open ones needs ``Bearer KEY`` (401)."""
+    are read whole (413: by Content-Length, or as a chunked body passes the limit), and with an API key
+    every path but the open ones needs ``Bearer KEY`` (401)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -56,26 +58,37 @@ class _Guard:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _error(413, too_big)(scope, receive, send)
             return
+        # read the body here (up to the limit) and hand it on: a chunked body has no length to check first
+        head: list[Message] = []
         seen = 0
-        limit = self.max_body_bytes
-
-        async def counted() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _BodyTooLarge
-            return message
+            head.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_body_bytes:
+                await _error(413, too_big)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
 
-        try:
-            await self.app(scope, counted, send)
-        except _BodyTooLarge:
-            await _error(413, too_big)(scope, receive, send)
+        async def replay() -> Message:
+            return head.pop(0) if head else await receive()
+
+        await self.app(scope, replay, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+def _field(errors: list[dict[str, Any]]) -> str | None:
+    """The field the first validation error is about, as a dotted path; a union's member names (the ``str``
+    of ``prompt.str``, one error per member) are left out: the path the first field's errors share."""
+    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    first = locs[0]
+    same = [loc for loc in locs if loc[:1] == first[:1]]
+    n = 0
+    while n < len(first) and all(len(loc) > n and loc[n] == first[n] for loc in same):
+        n += 1
+    return ".".join(first[:n]) or None
 
 
 def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
@@ -85,17 +98,29 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        field = ".".join(loc) or None
+        field = _field(exc.errors())
         if err.get("type") == "json_invalid":
             return _error(400, error_body(f"the request body is not valid JSON: {err.get('msg')}", "invalid_request_error", 400))
-        what = f"'{field}' " if field else ""
-        message = f"invalid request field {what}= {err.get('input')!r}: {err.get('msg')}" if field else f"invalid request body: {err.get('msg')}"
+        if not field:
+            message = f"invalid request body: {err.get('msg')}"
+        elif err.get("type") == "missing":  # its input is the whole body: not echoed
+            message = f"invalid request field '{field}': {err.get('msg')}"
+        else:
+            message = f"invalid request field '{field}' = {err.get('input')!r}: {err.get('msg')}"
         return _error(400, error_body(message, "invalid_request_error", 400, field))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(DeepInferError)
+    async def _refused(_: Request, exc: DeepInferError) -> JSONResponse:
+        return _error(*error_for(exc))
 
     @app.exception_handler(Exception)
     async def _failed(_: Request, exc: Exception) -> JSONResponse:
-        return _error(*error_for(exc))
+        return _error(*error_for(exc))  # Starlette then re-raises it: the traceback is logged
 
     def refuse_when_draining() -> None:
         if state.draining:

@@ -62,6 +62,8 @@ class RequestStream:
         self.timing = StreamTiming(arrival=time.monotonic())
         self._changed = asyncio.Event()
         self._tokens = 0
+        #: settled once the stepping thread has taken the request: None (accepted) or the reason it was refused
+        self._admission: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
 
     @property
     def finished(self) -> bool:
@@ -83,7 +85,17 @@ class RequestStream:
         self.latest = out
         self._changed.set()
 
+    async def admitted(self) -> str | None:
+        """Wait until the engine has taken the request (at its next step boundary); the reason it refused
+        it on arrival (an output constraint that does not compile, ...), or None."""
+        return await self._admission
+
+    def _admit(self, refusal: str | None) -> None:
+        if not self._admission.done():
+            self._admission.set_result(refusal)
+
     def _fail(self, message: str) -> None:
+        self._admit(None)  # a failure after acceptance: ``updates`` reports it
         self.error = message
         self.timing.finished = time.monotonic()
         self._changed.set()
@@ -246,9 +258,12 @@ class AsyncEngine:
         engine = self.engine
         if isinstance(item, _Add):
             self._unread -= 1
-            req = engine.add_request(item.prompt, item.params, request_id=item.stream.request_id)
-            if req.all_finished:  # refused on arrival: its output carries the reason
-                self._publish([(req.request_id, engine.output(req))], time.monotonic())
+            stream = item.stream
+            req = engine.add_request(item.prompt, item.params, request_id=stream.request_id)
+            out = engine.output(req) if req.all_finished else None  # refused on arrival: its output carries the reason
+            self._loop.call_soon_threadsafe(stream._admit, out.error if out is not None else None)
+            if out is not None:
+                self._publish([(req.request_id, out)], time.monotonic())
                 engine.release([req.request_id])
         elif isinstance(item, _Abort):
             engine.abort(item.request_id)

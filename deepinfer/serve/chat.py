@@ -18,10 +18,10 @@ from .async_engine import RequestStream
 from .chat_parsing import ChatDelta, ChatOutputParser, ParsedChat, parse_chat_output
 from .deltas import CompletionCursor, chat_logprobs
 from .errors import error_for
-from .params import sampling_params, served_max_tokens
+from .params import constraint_field, sampling_params, served_max_tokens
 from .protocol import ChatCompletionRequest
 from .state import ServerState
-from .streaming import DONE, check_output, final_outputs, merged, release, sse
+from .streaming import DONE, admit, check_output, final_outputs, merged, release, sse
 
 
 def render(body: ChatCompletionRequest, state: ServerState) -> tuple[str, list[int]]:
@@ -32,11 +32,25 @@ def render(body: ChatCompletionRequest, state: ServerState) -> tuple[str, list[i
     if body.reasoning_effort is not None:
         kwargs["reasoning_effort"] = body.reasoning_effort
     tools = body.tools if body.tools else None
-    prompt = format_chat(
-        state.chat_format, state.tokenizer, body.messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message, kwargs=kwargs,
-    )[0]
+    try:
+        prompt = format_chat(
+            state.chat_format, state.tokenizer, body.messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, kwargs=kwargs,
+        )[0]
+    except ChatFormatError as exc:
+        raise InvalidRequestError(str(exc), _chat_field(str(exc), body)) from None
     return prompt.text, prompt.token_ids
+
+
+def _chat_field(message: str, body: ChatCompletionRequest) -> str:
+    """The request field a chat-format error is about."""
+    if body.tools and "tool declarations" in message:
+        return "tools"
+    if "chat_template_kwargs" in message:
+        return "chat_template_kwargs"
+    if "reasoning_effort" in message:
+        return "reasoning_effort"
+    return "messages"
 
 
 def _tool_parser(body: ChatCompletionRequest, state: ServerState) -> str | None:
@@ -60,9 +74,11 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     state.check_prompt(ids, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len), logprobs=top)
+    named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = sampling_params(body, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len, named), logprobs=top)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.engine.submit(rid, ids, params, len(ids))
+    await admit(state.engine, [stream], state.metrics, constraint_field(body))
     created = int(time.time())
     if body.stream:
         return StreamingResponse(_stream(body, state, rid, model, created, text, ids, stream, tool_parser), media_type="text/event-stream")
@@ -128,7 +144,7 @@ def _delta_fields(d: ChatDelta, include_reasoning: bool) -> dict[str, Any]:
 
 
 async def _stream(body: ChatCompletionRequest, state: ServerState, rid: str, model: str, created: int, prompt_text: str,
-                  prompt_ids: list[int], stream: RequestStream, tool_parser: str | None) -> AsyncIterator[str]:
+                  prompt_ids: list[int], stream: RequestStream, tool_parser: str | None) -> AsyncIterator[bytes]:
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
     top = (body.top_logprobs or 0) if body.logprobs else None

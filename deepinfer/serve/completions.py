@@ -13,10 +13,10 @@ from starlette.requests import Request as HTTPRequest
 from ..sampling_params import InvalidRequestError
 from .errors import error_for
 from .deltas import CompletionCursor, completion_logprobs
-from .params import sampling_params, served_max_tokens
+from .params import constraint_field, sampling_params, served_max_tokens
 from .protocol import CompletionRequest
 from .state import ServerState
-from .streaming import DONE, check_output, final_outputs, merged, release, sse
+from .streaming import DONE, admit, check_output, final_outputs, merged, release, sse
 
 #: OpenAI's default for the completions API
 DEFAULT_MAX_TOKENS = 16
@@ -44,8 +44,8 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
     model = state.model_name(body.model)
     if body.suffix:
         raise InvalidRequestError("suffix is not supported (the model has no fill-in-the-middle format)", "suffix")
-    if body.logprobs is not None and body.logprobs < 0:
-        raise InvalidRequestError(f"logprobs must be >= 0, got {body.logprobs}", "logprobs")
+    if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+        raise InvalidRequestError(f"logprobs must be between 0 and 20, got {body.logprobs}", "logprobs")
     prompts = _prompts(state, body.prompt)
     engine = state.engine
     base = f"cmpl-{uuid.uuid4().hex}"
@@ -56,7 +56,14 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
             body, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len), logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
         ))
-    streams = [engine.submit(f"{base}-{i}", ids, p, len(ids)) for i, ((_, ids), p) in enumerate(zip(prompts, params))]
+    streams = []
+    try:
+        for i, ((_, ids), p) in enumerate(zip(prompts, params)):
+            streams.append(engine.submit(f"{base}-{i}", ids, p, len(ids)))
+    except Exception:
+        release(engine, streams, state.metrics)  # the queue filled up part-way: the earlier prompts go too
+        raise
+    await admit(engine, streams, state.metrics, constraint_field(body))
     created = int(time.time())
     if body.stream:
         return StreamingResponse(_stream(body, state, http, base, model, created, prompts, streams), media_type="text/event-stream")
@@ -100,7 +107,7 @@ def _decoder(state: ServerState):
     return lambda tok: state.tokenizer.decode([tok], skip_special_tokens=False)
 
 
-async def _stream(body, state: ServerState, http, base, model, created, prompts, streams) -> AsyncIterator[str]:
+async def _stream(body, state: ServerState, http, base, model, created, prompts, streams) -> AsyncIterator[bytes]:
     cursors: list[list[CompletionCursor]] = [[] for _ in streams]  # one per completion, from the first snapshot
     stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
     completion_tokens = 0

@@ -9,10 +9,12 @@ from ..sampling_params import InvalidRequestError
 from .async_engine import EngineDeadError, QueueFullError
 from .protocol import error_body
 from .state import ModelNotFound
-from .streaming import RequestFailed
+from .streaming import ClientDisconnected, RequestFailed
 
 #: seconds a client refused for overload is told to wait
 RETRY_AFTER_S = 1
+#: the status of a reply whose client left before it (nginx's "client closed request"; only access logs see it)
+CLIENT_CLOSED = 499
 
 
 def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
@@ -28,6 +30,8 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return 503, error_body(message, "service_unavailable_error", 503)
     if isinstance(exc, EngineDeadError):
         return 503, error_body(message, "service_unavailable_error", 503)
+    if isinstance(exc, ClientDisconnected):
+        return CLIENT_CLOSED, error_body(message, "invalid_request_error", CLIENT_CLOSED)
     if isinstance(exc, (RequestFailed, DeepInferError)):
         return 500, error_body(message, "server_error", 500)
     return 500, error_body(f"internal error: {message}", "server_error", 500)

@@ -48,6 +48,15 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
     return params
 
 
+def constraint_field(body: SamplingFields) -> str | None:
+    """The field carrying the request's output constraint, if any (what a refused constraint's error names)."""
+    if body.response_format is not None and body.response_format.type != "text":
+        return "response_format"
+    if body.structured_outputs is not None:
+        return "structured_outputs"
+    return next((f"guided_{k}" for k in ("json", "regex", "grammar", "choice") if getattr(body, f"guided_{k}") is not None), None)
+
+
 def sampling_params(
     body: SamplingFields, *, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None
 ) -> SamplingParams:
@@ -73,17 +82,17 @@ def sampling_params(
     return SamplingParams(**fields)
 
 
-def served_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """Tokens a request may generate: what it asked (refused when past the context), else the rest of the context."""
+def served_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, param: str = "max_tokens") -> int:
+    """Tokens a request may generate: what it asked in ``param`` (refused when past the context), else the rest of the context."""
     room = max_model_len - num_prompt_tokens
     if requested is None:
         return max(room, 1)
     if requested < 1:
-        raise InvalidRequestError(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+        raise InvalidRequestError(f"{param} must be at least 1, got {requested}", param)
     if requested > room:
         raise InvalidRequestError(
-            f"max_tokens is {requested} but the prompt has {num_prompt_tokens} tokens and the model's context is "
-            f"{max_model_len}; at most {room} tokens can be generated: lower max_tokens or shorten the prompt",
-            "max_tokens",
+            f"{param} is {requested} but the prompt has {num_prompt_tokens} tokens and the model's context is "
+            f"{max_model_len}; at most {room} tokens can be generated: lower {param} or shorten the prompt",
+            param,
         )
     return requested

@@ -11,11 +11,15 @@ An engine failure (a dead rank) fails the requests in flight with 500, turns
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import os
+import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +70,17 @@ class _Server(uvicorn.Server):
             log.info("shutting down: finishing the requests in flight (up to %.0f s)", self.config.timeout_graceful_shutdown or 0)
         self.state.draining = True
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, but without raising the signal again once drained (that would kill the process
+        before the engine is stopped, and exit -15 instead of 0)."""
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -129,7 +144,16 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         vocab_size=engine.model_config.vocab_size, metrics=ServerMetrics(names[0]), chat_format=fmt, chat_format_error=fmt_error,
         reasoning_parser=options.reasoning_parser, tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=info,
     )
-    return asyncio.run(_run(engine, state, options, sock, time.monotonic() - started))
+    return _event_loop_run(_run(engine, state, options, sock, time.monotonic() - started))
+
+
+def _event_loop_run(main) -> int:
+    """Run the server's coroutine on uvloop where it is installed (uvicorn's own choice), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 async def _run(engine, state: ServerState, options: ServeOptions, sock: socket.socket, load_seconds: float) -> int:
@@ -147,9 +171,11 @@ async def _run(engine, state: ServerState, options: ServeOptions, sock: socket.s
     state.engine = AsyncEngine(engine, options.max_queued_requests, on_dead)
     app = build_app(state, options.api_key, options.max_request_bytes)
     config = uvicorn.Config(
-        app, log_level="warning", access_log=options.access_log, timeout_graceful_shutdown=int(options.shutdown_timeout) or None,
+        app, log_level="warning", access_log=options.access_log, timeout_graceful_shutdown=math.ceil(options.shutdown_timeout),
         timeout_keep_alive=5,
     )
+    if options.access_log:  # uvicorn logs each request at INFO, below the level set for the rest of its lines
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = _Server(config, state)
     state.engine.start()
     ready = asyncio.create_task(_announce(server, state, options, load_seconds))

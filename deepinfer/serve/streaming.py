@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from starlette.requests import Request as HTTPRequest
 
 from ..errors import DeepInferError
@@ -15,7 +15,7 @@ from ..sampling_params import InvalidRequestError
 from .async_engine import AsyncEngine, RequestStream
 from .metrics import ServerMetrics
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 #: seconds between checks that a non-streaming client is still connected
 DISCONNECT_POLL_S = 0.5
 
@@ -24,8 +24,13 @@ class RequestFailed(DeepInferError):
     """The engine could not finish a request (500): a rank died, or a kernel misbehaved."""
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+class ClientDisconnected(DeepInferError):
+    """The client of a non-streaming request went away; its requests are aborted and nobody reads the reply."""
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def check_output(stream: RequestStream, out: RequestOutput | None) -> RequestOutput:
@@ -80,7 +85,7 @@ async def final_outputs(
                 waiter.result()
                 break
             if await http.is_disconnected():
-                raise asyncio.CancelledError
+                raise ClientDisconnected("the client disconnected before the reply")
     finally:
         waiter.cancel()
         release(engine, streams, metrics)
@@ -104,3 +109,14 @@ def release(engine: AsyncEngine, streams: list[RequestStream], metrics: ServerMe
             engine.abort(s.request_id)
             reasons = [None]
         metrics.observe(s.timing, reasons)
+
+
+async def admit(engine: AsyncEngine, streams: list[RequestStream], metrics: ServerMetrics, constraint: str | None) -> None:
+    """Wait until the engine has taken every request; one it refused on arrival is the client's error
+    (400, before any response starts), naming ``constraint`` (the field of the output constraint) unless
+    the reason names another field."""
+    for s in streams:
+        refusal = await s.admitted()
+        if refusal is not None:
+            release(engine, streams, metrics)
+            raise InvalidRequestError(refusal, "cache_class" if refusal.startswith("cache_class") else constraint)

@@ -102,16 +102,23 @@ def v4_chat_model(
 ) -> Path:
     """A model directory in ``directory``: the bundled config and weights (linked) with a chat tokenizer,
     ``tokenizer="bytes"`` (``save_v4_chat_tokenizer``) or ``"bundled"`` (``save_bundled_chat_tokenizer``)."""
+    without_chat_format(directory, keep_tokenizer=False)
+    if tokenizer == "bundled":
+        save_bundled_chat_tokenizer(directory)
+    else:
+        save_v4_chat_tokenizer(directory, chat_tokens, chat_template)
+    return directory
+
+
+def without_chat_format(directory: Path, keep_tokenizer: bool = True) -> Path:
+    """The bundled model in ``directory`` (weights linked) without its chat template: a model that has no chat
+    format (its tokenizer lacks the V4 chat tokens); ``keep_tokenizer=False`` leaves the tokenizer files out too."""
     directory.mkdir(parents=True, exist_ok=True)
     for f in BUNDLED_MODEL.iterdir():
-        if f.name.startswith("tokenizer"):
+        if f.name.startswith("chat_template") or (f.name.startswith("tokenizer") and not keep_tokenizer):
             continue
         if f.suffix == ".safetensors":
             (directory / f.name).symlink_to(f.resolve())
         else:
             shutil.copy(f, directory / f.name)
-    if tokenizer == "bundled":
-        save_bundled_chat_tokenizer(directory)
-    else:
-        save_v4_chat_tokenizer(directory, chat_tokens, chat_template)
     return directory
