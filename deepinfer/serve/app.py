@@ -156,7 +156,7 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
     async def metrics() -> Response:
         counters: dict[str, Any] = {}
         if state.engine.dead is None:
-            counters = await state.engine.call(lambda engine: engine.get_metrics())
+            counters = await state.engine.query("metrics")
         return Response(state.metrics.render(counters, state.engine.load), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
@@ -196,7 +196,7 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict[str, Any]:
-        await state.engine.call(lambda engine: engine.reset_prefix_cache())
+        await state.engine.query("flush")
         return {"success": True, "message": "the prefix cache no request is using was flushed"}
 
     return _Guard(app, api_key, max_body_bytes)  # type: ignore[return-value]

@@ -1,34 +1,38 @@
-"""The engine behind a server: one thread steps it, coroutines submit requests and read their outputs.
+"""The engine as the server's coroutines see it: submit a request, read its outputs as they grow.
 
-The engine (one process, or the front of an expert-parallel group) is not
-thread-safe, so every call into it happens on the stepping thread. Requests,
-aborts and queries reach that thread through one queue and are applied between
-steps, so a new request joins the running batch on the next step. After each
-step the thread hands the snapshots of the requests that changed to the event
-loop in one batch; a reader that falls behind sees only the latest snapshot
-(snapshots are cumulative), so a slow client never slows the engine.
+The engine steps in a process of its own (``engine_process``). Requests, aborts
+and queries go to it over a pipe and are applied between steps, so a new request
+joins the running batch on the next step. What each step changed comes back as
+deltas, read on the event loop when the pipe is readable, and each request's
+stream is woken once per batch; a reader that falls behind sees only the latest
+output (outputs are cumulative), so a slow client never slows the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
-import threading
+import multiprocessing
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 from ..errors import DeepInferError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..config import EngineConfig
 from ..stats import EngineLoad
+from .engine_process import (
+    Abort, Add, Admitted, Answer, EngineInfo, Failed, OutputDelta, Query, StepOutputs, Stop, apply_delta, run_engine_process,
+)
 
 log = logging.getLogger("deepinfer")
 
-#: seconds the idle stepping thread waits for work before checking the engine's health again
-IDLE_POLL_S = 0.5
+#: seconds the engine process gets to stop (abort, close its ranks) before it is killed
+STOP_TIMEOUT_S = 30.0
 
 
 class EngineDeadError(DeepInferError):
@@ -68,6 +72,9 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         return self.error is not None or (self.latest is not None and self.latest.finished)
+
+    def _apply(self, delta: OutputDelta, now: float) -> None:
+        self._deliver(apply_delta(self.latest, delta), now)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -114,65 +121,80 @@ class RequestStream:
                     return
 
 
-@dataclass
-class _Add:
-    stream: RequestStream
-    prompt: str | list[int]
-    params: SamplingParams
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    """Run ``fn(engine)`` on the stepping thread; its result or exception goes to ``future``."""
-
-    fn: Callable[[Any], Any]
-    future: asyncio.Future
-
-
 class AsyncEngine:
-    """Drives ``engine`` from a thread of its own; every public method is called from the event loop.
+    """The server's handle on the engine process; every method is called from the event loop.
 
-    ``on_dead`` is called (on the event loop) once, when the engine fails: the server then answers
-    503 on ``/health`` and exits non-zero.
+    ``on_dead`` is called once when the engine fails (a rank died, the process exited): the server then
+    answers 503 on ``/health`` and exits non-zero.
     """
 
-    def __init__(self, engine: Any, max_queued_requests: int, on_dead: Callable[[str], None] | None = None) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+    def __init__(self, config: EngineConfig, max_queued_requests: int, verbose: bool = True) -> None:
+        self.config = config
         self.max_queued_requests = max_queued_requests
-        self.on_dead = on_dead
+        self.verbose = verbose
+        self.on_dead: Any = None
         self.dead: str | None = None
+        self.info: EngineInfo | None = None
         self.streams: dict[str, RequestStream] = {}
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopping = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._ids = 0
-        #: requests handed over but not yet taken by the stepping thread, and the engine's latest load
-        self._unread = 0
         self._load = EngineLoad()
-        self._outbox: list[tuple[RequestStream, RequestOutput, float]] = []
-        self._outbox_lock = threading.Lock()
-        self._delivery_scheduled = False
+        #: requests sent but not yet taken by the engine (they count as waiting)
+        self._unadmitted = 0
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ----- lifecycle -----
 
+    def start_process(self, ready_timeout_s: float = 3600.0) -> EngineInfo:
+        """Spawn the engine process and wait (blocking) until its engine is built; a start-up failure
+        raises with the engine's one-line reason."""
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        self._process = ctx.Process(target=run_engine_process, args=(self.config.model_dump_json(), theirs, self.verbose),
+                                    name="deepinfer-engine", daemon=True)
+        self._process.start()
+        theirs.close()
+        self._conn = mine
+        deadline = time.monotonic() + ready_timeout_s
+        while not mine.poll(0.2):
+            if not self._process.is_alive():
+                raise DeepInferError(f"the engine process exited with status {self._process.exitcode} while starting")
+            if time.monotonic() > deadline:
+                self._process.kill()
+                raise DeepInferError(f"the engine did not start within {ready_timeout_s:.0f} s")
+        try:
+            msg = mine.recv()
+        except EOFError:
+            self._process.join(5)
+            raise DeepInferError(f"the engine process exited with status {self._process.exitcode} while starting") from None
+        if isinstance(msg, Failed):
+            self._process.join(10)
+            raise DeepInferError(msg.message)
+        self.info = msg
+        return msg
+
     def start(self) -> None:
+        """Begin reading the engine's messages on the running event loop."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
-        self._thread.start()
+        self._loop.add_reader(self._conn.fileno(), self._readable)
 
     async def stop(self) -> None:
-        """Abort what is left, stop the stepping thread and close the engine."""
-        self._stopping.set()
-        self._inbox.put(None)
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        """Abort what is left and stop the engine process (its ranks too)."""
+        if self._loop is not None and self._conn is not None:
+            self._loop.remove_reader(self._conn.fileno())
+        if self._process is None:
+            return
+        if self._process.is_alive():
+            try:
+                self._conn.send(Stop())
+            except OSError:
+                pass
+            await asyncio.get_running_loop().run_in_executor(None, self._process.join, STOP_TIMEOUT_S)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
 
     # ----- requests -----
 
@@ -180,146 +202,96 @@ class AsyncEngine:
     def load(self) -> EngineLoad:
         return self._load
 
-    def next_request_id(self, prefix: str) -> str:
-        self._ids += 1
-        return f"{prefix}-{self._ids}-{int(time.time() * 1000) % 100000:05d}"
-
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, num_prompt_tokens: int) -> RequestStream:
-        """Queue a request for the next step; raises when the engine is dead or the queue is full."""
+        """Send a request for the next step; raises when the engine is dead or too many requests wait."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has failed ({self.dead}); the server is restarting")
-        waiting = self._load.num_waiting + self._unread
+        waiting = self._load.num_waiting + self._unadmitted
         if waiting >= self.max_queued_requests:
             raise QueueFullError(
                 f"the server has {waiting} requests waiting, its limit (--max-queued-requests {self.max_queued_requests}); retry later"
             )
         stream = RequestStream(request_id, num_prompt_tokens)
         self.streams[request_id] = stream
-        self._unread += 1
-        self._inbox.put(_Add(stream, prompt, params))
+        self._unadmitted += 1
+        self._send(Add(request_id, prompt, params))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Stop a request (its client went away); its cache blocks are freed at the next step."""
         stream = self.streams.pop(request_id, None)
         if stream is not None and not stream.finished:
-            self._inbox.put(_Abort(request_id))
+            self._send(Abort(request_id))
 
     def done(self, request_id: str) -> None:
         """The server has sent a finished request's last output."""
         self.streams.pop(request_id, None)
 
-    async def call(self, fn: Callable[[Any], Any], timeout_s: float = 30.0) -> Any:
-        """``fn(engine)`` run on the stepping thread between steps (metrics, cache flush)."""
+    async def query(self, what: str, timeout_s: float = 30.0) -> Any:
+        """``metrics`` (the engine's counters) or ``flush`` (forget unused cached prefixes), between steps."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has failed ({self.dead})")
+        call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
-        self._inbox.put(_Call(fn, future))
-        return await asyncio.wait_for(future, timeout_s)
-
-    # ----- the stepping thread -----
-
-    def _run(self) -> None:
-        engine = self.engine
+        self._calls[call_id] = future
+        self._send(Query(call_id, what))
         try:
-            while not self._stopping.is_set():
-                self._take_inbox(wait=not engine.has_unfinished)
-                if self._stopping.is_set():
-                    break
-                if engine.has_unfinished:
-                    changed = engine.step()
-                    outs = [(r.request_id, engine.output(r)) for r in changed]
-                    self._publish(outs, time.monotonic())
-                    engine.release([rid for rid, out in outs if out.finished])
-                else:
-                    problem = engine.health()
-                    if problem is not None:
-                        raise EngineDeadError(problem)
-                self._load = engine.load()
-        except Exception as exc:  # noqa: BLE001 - any failure of the engine ends the service, in one line
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if not isinstance(exc, DeepInferError):
-                log.exception("the engine failed")
-            self._loop.call_soon_threadsafe(self._die, message)
+            return await asyncio.wait_for(future, timeout_s)
         finally:
-            self._finish()
+            self._calls.pop(call_id, None)
 
-    def _take_inbox(self, wait: bool) -> None:
-        """Apply every queued submission; with ``wait``, first wait a while for one (the engine is idle)."""
+    def _send(self, msg: Any) -> None:
         try:
-            item = self._inbox.get(timeout=IDLE_POLL_S) if wait else self._inbox.get_nowait()
-            while item is not None:
-                self._apply(item)
-                item = self._inbox.get_nowait()
-        except queue.Empty:
-            pass
+            self._conn.send(msg)
+        except OSError as exc:
+            self._die(f"the engine process is gone ({exc.strerror or exc})")
+            raise EngineDeadError(f"the engine has failed ({self.dead})") from None
 
-    def _apply(self, item: _Add | _Abort | _Call) -> None:
-        engine = self.engine
-        if isinstance(item, _Add):
-            self._unread -= 1
-            stream = item.stream
-            req = engine.add_request(item.prompt, item.params, request_id=stream.request_id)
-            out = engine.output(req) if req.all_finished else None  # refused on arrival: its output carries the reason
-            self._loop.call_soon_threadsafe(stream._admit, out.error if out is not None else None)
-            if out is not None:
-                self._publish([(req.request_id, out)], time.monotonic())
-                engine.release([req.request_id])
-        elif isinstance(item, _Abort):
-            engine.abort(item.request_id)
-            engine.release([item.request_id])
-        else:
-            try:
-                result = item.fn(engine)
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                self._loop.call_soon_threadsafe(_settle, item.future, None, exc)
-            else:
-                self._loop.call_soon_threadsafe(_settle, item.future, result, None)
+    # ----- the engine's messages -----
 
-    def _publish(self, outs: list[tuple[str, RequestOutput]], now: float) -> None:
-        streams = self.streams
-        with self._outbox_lock:
-            for rid, out in outs:
-                stream = streams.get(rid)
+    def _readable(self) -> None:
+        now = time.monotonic()
+        try:
+            while self._conn.poll():
+                self._handle(self._conn.recv(), now)
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._conn.fileno())
+            self._process.join(5)
+            self._die(f"the engine process exited with status {self._process.exitcode}")
+
+    def _handle(self, msg: Any, now: float) -> None:
+        if isinstance(msg, StepOutputs):
+            self._load = msg.load
+            streams = self.streams
+            for delta in msg.deltas:
+                stream = streams.get(delta.request_id)
                 if stream is not None:
-                    self._outbox.append((stream, out, now))
-            if self._outbox and not self._delivery_scheduled:
-                self._delivery_scheduled = True
-                self._loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:
-        with self._outbox_lock:
-            batch, self._outbox = self._outbox, []
-            self._delivery_scheduled = False
-        for stream, out, now in batch:
-            stream._deliver(out, now)
-
-    def _finish(self) -> None:
-        """The thread is ending: abort what is in flight and close the engine."""
-        engine = self.engine
-        try:
-            for rid in list(self.streams):
-                engine.abort(rid)
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()
-        except Exception:  # noqa: BLE001 - a dead group cannot be closed cleanly; its processes are already stopped
-            log.debug("closing the engine failed", exc_info=True)
+                    stream._apply(delta, now)
+        elif isinstance(msg, Admitted):
+            self._unadmitted -= 1
+            stream = self.streams.get(msg.request_id)
+            if stream is not None:
+                stream._admit(msg.refusal)
+        elif isinstance(msg, Answer):
+            future = self._calls.get(msg.call_id)
+            if future is not None and not future.done():
+                if msg.error is not None:
+                    future.set_exception(DeepInferError(msg.error))
+                else:
+                    future.set_result(msg.value)
+        elif isinstance(msg, Failed):
+            self._die(msg.message)
 
     def _die(self, message: str) -> None:
+        if self.dead is not None:
+            return
         self.dead = message
         log.error("engine failed: %s", message)
         for stream in list(self.streams.values()):
             if not stream.finished:
                 stream._fail(f"the engine failed while serving this request: {message}")
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(f"the engine has failed ({message})"))
         if self.on_dead is not None:
             self.on_dead(message)
-
-
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)

@@ -29,6 +29,9 @@ from ..chat import ChatFormat, JinjaFormat, chat_format_for
 from ..config import EngineConfig
 from ..engine import resolve_model_dir
 from ..errors import ChatFormatError, ConfigError
+from ..loader import load_tokenizer
+from ..parallel.engines import make_engine
+from ..parallel.launch import torchrun_rank
 from .async_engine import AsyncEngine
 from .chat_parsing import TOOL_PARSERS
 from .metrics import ServerMetrics
@@ -120,31 +123,37 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
             template = Path(options.chat_template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read --chat-template {options.chat_template}: {getattr(exc, 'strerror', None) or exc}") from None
+    place = torchrun_rank()
+    if place is not None and place.rank != 0:  # under torchrun, rank 0 serves HTTP; this rank serves its experts
+        make_engine(config)
+        return 0
     sock = _bind(options.host, options.port)  # before loading: a taken port fails at once
-    from ..parallel.engines import make_engine
-
     model_dir = resolve_model_dir(config.model)
     started = time.monotonic()
     log.info("loading %s (backend %s%s)", model_dir, config.backend, f", --ep {config.expert_parallel_size}" if config.expert_parallel_size > 1 else "")
-    engine = make_engine(config)
+    engine = AsyncEngine(config, options.max_queued_requests, verbose=log.isEnabledFor(logging.INFO))
     try:
-        fmt, fmt_error = chat_format_for(model_dir, engine.tokenizer, engine.model_config.model_type, template), None
-    except ChatFormatError as exc:
-        fmt, fmt_error = None, str(exc)
+        info = engine.start_process()
+        tokenizer = load_tokenizer(model_dir)
+        try:
+            fmt, fmt_error = chat_format_for(model_dir, tokenizer, info.model_type, template), None
+        except ChatFormatError as exc:
+            fmt, fmt_error = None, str(exc)
+    except BaseException:
+        sock.close()
+        asyncio.run(engine.stop())
+        raise
     names = options.served_model_names or [_default_name(config)]
-    backend = getattr(engine, "backend", None)
-    info = {
-        "model_path": str(model_dir), "model_type": engine.model_config.model_type,
-        "engine_config": config.model_dump(mode="json"), "backend": backend.name if backend is not None else config.backend,
-        "chat_format": fmt.name if fmt is not None else None, "version": _version(),
+    facts = {
+        "model_path": str(model_dir), "model_type": info.model_type, "engine_config": config.model_dump(mode="json"),
+        "backend": info.backend, "chat_format": fmt.name if fmt is not None else None, "version": _version(),
     }
     state = ServerState(
-        engine=None,  # type: ignore[arg-type]  # set below, once the loop runs
-        tokenizer=engine.tokenizer, model_names=names, max_model_len=engine.max_model_len,
-        vocab_size=engine.model_config.vocab_size, metrics=ServerMetrics(names[0]), chat_format=fmt, chat_format_error=fmt_error,
-        reasoning_parser=options.reasoning_parser, tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=info,
+        engine=engine, tokenizer=tokenizer, model_names=names, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        metrics=ServerMetrics(names[0]), chat_format=fmt, chat_format_error=fmt_error, reasoning_parser=options.reasoning_parser,
+        tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=facts,
     )
-    return _event_loop_run(_run(engine, state, options, sock, time.monotonic() - started))
+    return _event_loop_run(_run(state, options, sock, time.monotonic() - started))
 
 
 def _event_loop_run(main) -> int:
@@ -156,7 +165,7 @@ def _event_loop_run(main) -> int:
     return uvloop.run(main)
 
 
-async def _run(engine, state: ServerState, options: ServeOptions, sock: socket.socket, load_seconds: float) -> int:
+async def _run(state: ServerState, options: ServeOptions, sock: socket.socket, load_seconds: float) -> int:
     from .app import build_app
 
     failed: list[str] = []
@@ -168,7 +177,7 @@ async def _run(engine, state: ServerState, options: ServeOptions, sock: socket.s
         if server is not None:
             asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, setattr, server, "should_exit", True)
 
-    state.engine = AsyncEngine(engine, options.max_queued_requests, on_dead)
+    state.engine.on_dead = on_dead
     app = build_app(state, options.api_key, options.max_request_bytes)
     config = uvicorn.Config(
         app, log_level="warning", access_log=options.access_log, timeout_graceful_shutdown=math.ceil(options.shutdown_timeout),

@@ -204,17 +204,23 @@ class ServerProcess:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def children(self) -> list[int]:
-        """Pids of the server's child processes (an ``--ep`` server's ranks, ``deepinfer.parallel.rank_main``)."""
+        """Pids of every process below the server (its engine process, and an ``--ep`` engine's ranks,
+        ``deepinfer.parallel.rank_main``)."""
         found: list[int] = []
-        for task in Path(f"/proc/{self.pid}/task").glob("*"):
-            try:
-                found += [int(p) for p in (task / "children").read_text().split()]
-            except OSError:
-                continue
+        todo = [self.pid]
+        while todo:
+            pid = todo.pop()
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    kids = [int(p) for p in (task / "children").read_text().split()]
+                except OSError:
+                    continue
+                found += kids
+                todo += kids
         return sorted(set(found))
 
     def rank_pids(self) -> list[int]:
-        """The children running ``deepinfer.parallel.rank_main``, in start order (rank 0 first)."""
+        """The processes below the server running ``deepinfer.parallel.rank_main``, in start order (rank 0 first)."""
         ranks = []
         for pid in self.children():
             try:
