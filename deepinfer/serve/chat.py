@@ -16,7 +16,7 @@ from ..errors import ChatFormatError
 from ..sampling_params import InvalidRequestError
 from .async_engine import RequestStream
 from .chat_parsing import ChatDelta, ChatOutputParser, ParsedChat, parse_chat_output
-from .deltas import CompletionCursor, chat_logprobs
+from .deltas import CompletionCursor, chat_logprobs, decoder, usage
 from .errors import error_for
 from .params import constraint_field, sampling_params, served_max_tokens
 from .protocol import ChatCompletionRequest
@@ -89,12 +89,12 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         message = _message(parsed, body.include_reasoning)
         choices.append({
             "index": c.index, "message": message,
-            "logprobs": {"content": chat_logprobs(c.token_ids, c.logprobs, top, _decoder(state))} if top is not None and c.logprobs is not None else None,
+            "logprobs": {"content": chat_logprobs(c.token_ids, c.logprobs, top, decoder(state.tokenizer))} if top is not None and c.logprobs is not None else None,
             "finish_reason": _finish_reason(c.finish_reason, parsed.tool_calls),
             "stop_reason": c.stop_reason,
         })
-    usage = _usage(len(ids), sum(len(c.token_ids) for c in out.outputs))
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": usage})
+    counts = usage(len(ids), sum(len(c.token_ids) for c in out.outputs))
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": counts})
 
 
 def _message(parsed: ParsedChat, include_reasoning: bool) -> dict[str, Any]:
@@ -114,12 +114,6 @@ def _finish_reason(reason: str | None, tool_calls: list) -> str | None:
     return "tool_calls" if tool_calls and reason == "stop" else reason
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _decoder(state: ServerState):
-    return lambda tok: state.tokenizer.decode([tok], skip_special_tokens=False)
 
 
 def _delta_fields(d: ChatDelta, include_reasoning: bool) -> dict[str, Any]:
@@ -180,7 +174,7 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, rid: str, mod
                 fields = _delta_fields(parsed, body.include_reasoning)
                 lp = None
                 if top is not None and delta.logprobs is not None and delta.token_ids:
-                    lp = {"content": chat_logprobs(delta.token_ids, delta.logprobs, top, _decoder(state))}
+                    lp = {"content": chat_logprobs(delta.token_ids, delta.logprobs, top, decoder(state.tokenizer))}
                 if not fields and lp is None and delta.finish_reason is None:
                     continue
                 finish = _finish_reason(delta.finish_reason, [True] if called[c.index] else [])
@@ -188,7 +182,7 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, rid: str, mod
             if choices:
                 yield sse({**head, "choices": choices})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(len(prompt_ids), completion_tokens)})
+            yield sse({**head, "choices": [], "usage": usage(len(prompt_ids), completion_tokens)})
         yield DONE
     finally:
         release(state.engine, [stream], state.metrics)

@@ -12,7 +12,7 @@ from starlette.requests import Request as HTTPRequest
 
 from ..sampling_params import InvalidRequestError
 from .errors import error_for
-from .deltas import CompletionCursor, completion_logprobs
+from .deltas import CompletionCursor, completion_logprobs, decoder, usage
 from .params import constraint_field, sampling_params, served_max_tokens
 from .protocol import CompletionRequest
 from .state import ServerState
@@ -84,27 +84,21 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     return JSONResponse({
         "id": base, "object": "text_completion", "created": created, "model": model, "choices": choices,
-        "usage": _usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens),
     })
 
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _logprobs(body: CompletionRequest, state: ServerState, prompt_ids, prompt_text, prompt_lps, token_ids, lps) -> dict | None:
     if body.logprobs is None or lps is None:
         return None
-    decode = _decoder(state)
+    decode = decoder(state.tokenizer)
     out = completion_logprobs(token_ids, lps, body.logprobs, decode, len(prompt_text) if body.echo else 0)
     if body.echo:
         head = completion_logprobs(prompt_ids, list(prompt_lps or [None] * len(prompt_ids)), body.logprobs, decode, 0)
         out = {k: head[k] + out[k] for k in out}
     return out
 
-
-def _decoder(state: ServerState):
-    return lambda tok: state.tokenizer.decode([tok], skip_special_tokens=False)
 
 
 async def _stream(body, state: ServerState, http, base, model, created, prompts, streams) -> AsyncIterator[bytes]:
@@ -135,13 +129,13 @@ async def _stream(body, state: ServerState, http, base, model, created, prompts,
                 completion_tokens += len(delta.token_ids)
                 lp = None
                 if body.logprobs is not None and delta.logprobs is not None:
-                    lp = completion_logprobs(delta.token_ids, delta.logprobs, body.logprobs, _decoder(state), 0)
+                    lp = completion_logprobs(delta.token_ids, delta.logprobs, body.logprobs, decoder(state.tokenizer), 0)
                 choices.append({"index": i * body.n + c.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason,
                                 "stop_reason": c.stop_reason if delta.finish_reason else None})
             if choices:
                 yield sse({**head, "choices": choices})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(sum(len(ids) for _, ids in prompts), completion_tokens)})
+            yield sse({**head, "choices": [], "usage": usage(sum(len(ids) for _, ids in prompts), completion_tokens)})
         yield DONE
     finally:
         release(state.engine, streams, state.metrics)

@@ -85,3 +85,13 @@ def completion_logprobs(
 
 def _text(token_id: int, lp: Any, decode) -> str:
     return lp.decoded_token if lp.decoded_token is not None else decode(token_id)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def decoder(tokenizer):
+    """One token id to its text, special tokens spelled out (what log-probabilities show)."""
+    return lambda tok: tokenizer.decode([tok], skip_special_tokens=False)
