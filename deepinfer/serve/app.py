@@ -188,6 +188,14 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
                 "num_requests_waiting": load.num_waiting, "kv_cache_usage": load.kv_cache_usage,
                 "engine_error": state.engine.dead}
 
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        """What SGLang's router asks a worker when it registers it."""
+        return {"model_path": state.info.get("model_path"), "tokenizer_path": state.info.get("model_path"), "is_generation": True,
+                "model_type": state.info.get("model_type"), "served_model_name": state.model_names[0],
+                "has_image_understanding": False, "has_audio_understanding": False, "max_model_len": state.max_model_len}
+
     @app.get("/get_load")
     async def get_load() -> list[dict[str, int]]:
         load = state.engine.load
