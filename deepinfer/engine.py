@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .errors import ConfigError, DeepInferError
 from .kv_cache_manager import KVCacheManager
+from .kv_transfer import PrefilledRequest
 from .kv_store import BlockWrite, KVStore, PartShape, StoreStats, open_store, store_line
 from .loader import load_tokenizer, read_generation_config
 from .model.config import CSA, ModelConfig
@@ -208,9 +209,14 @@ class Engine:
             )
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None,
+        *, hold_kv: bool = False, prefilled: PrefilledRequest | None = None,
     ) -> Request:
-        """Queue one prompt (``params.n`` completions of it); an invalid one is returned already finished with its error."""
+        """Queue one prompt (``params.n`` completions of it); an invalid one is returned already finished with its error.
+
+        ``hold_kv``: keep its cache when it finishes, for ``export_prefilled`` (a prefill engine of a disaggregated
+        pair). ``prefilled``: its prompt was computed by another engine; that state is installed and the tokens
+        it sampled are taken as this request's first (a decode engine: no prompt token is computed here)."""
         request_id = request_id or str(next(self._ids))
         text = prompt if isinstance(prompt, str) else None
         req = Request(request_id, text, [], SamplingParams())
@@ -231,6 +237,13 @@ class Engine:
             ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
             req.prompt_token_ids = ids
             self._validate(ids)
+            if (hold_kv or prefilled is not None) and params.n != 1:
+                raise InvalidRequestError("a disaggregated request has one completion; use n=1", "n")
+            if prefilled is not None and prefilled.state.num_tokens != len(ids):
+                raise InvalidRequestError(
+                    f"the prefilled state holds {prefilled.state.num_tokens} positions but the prompt has {len(ids)} tokens; "
+                    "send the prompt the prefill server computed"
+                )
             children = [req] + [Request(f"{request_id}#{i}", text, ids, params, index=i, fork_source=req) for i in range(1, params.n)]
             for child in children:
                 child.siblings = children
@@ -249,9 +262,32 @@ class Engine:
             child.speculative = self.speculation is not None
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
+        req.hold_kv = hold_kv
+        if prefilled is not None:
+            for token in prefilled.output_token_ids:
+                if not req.finished:
+                    self._append(req, token)
+            if req.finished:
+                return req
+            req.imported = prefilled.state
         for child in children:
             self.scheduler.add(child)
         return req
+
+    def export_prefilled(self, request_id: str) -> PrefilledRequest:
+        """The state and sampled tokens of a finished request added with ``hold_kv`` (copied off the device
+        after the steps that wrote it); its cache stays held until ``release_prefilled``."""
+        req = self.requests.get(request_id)
+        held = self.kv.held.get(request_id)
+        if req is None or held is None:
+            raise InvalidRequestError(f"request {request_id!r} holds no cache to export (unknown, running, or already released)")
+        slot, table = held
+        state = self.executor.call(self.runner.read_sequence, slot, table, len(req.prompt_token_ids)).result()
+        return PrefilledRequest(state, list(req.output_token_ids))
+
+    def release_prefilled(self, request_id: str) -> None:
+        """Free the cache a ``hold_kv`` request kept (its blocks stay in the prefix cache)."""
+        self.kv.release_held(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop every completion of a request wherever it is; output so far is kept with finish reason ``abort``."""
@@ -285,6 +321,8 @@ class Engine:
         loads = self.kv.take_loads()
         if loads.block_ids:  # stored blocks this step may read: installed before it, in device order
             self._loading.append(self.executor.call(self.runner.cache.write_blocks, loads.block_ids, loads.data))
+        for slot, blocks, state in out.installs:  # imported sequences: their state before the step that reads it
+            self._loading.append(self.executor.call(self.runner.install_sequence, slot, blocks, state))
         if not out.sequences:
             return None, list(out.preempted)
         step = Step(out.sequences, finished_request_ids=out.finished_request_ids)

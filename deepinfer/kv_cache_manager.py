@@ -62,6 +62,8 @@ class KVCacheManager:
         self.slots: dict[str, int] = {}
         self._hashes: dict[str, list[int]] = {}
         self._shared: dict[str, int] = {}
+        #: finished requests whose state another engine will copy: request id -> (slot, block table)
+        self.held: dict[str, tuple[int, list[int]]] = {}
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -180,6 +182,25 @@ class KVCacheManager:
                 named = self.pool.register(table[i], hashes[i])
                 if named and self.store is not None and not self.store.known(hashes[i]):
                     self.saves.append(BlockSave(table[i], hashes[i], self.cache_class(req)))
+
+    def hold(self, req: Request) -> None:
+        """Keep a finished request's slot and blocks out of reuse until ``release_held`` (another engine
+        copies its state first)."""
+        self._probed.pop(req.request_id, None)
+        table = self.tables.pop(req.request_id, None)
+        if table is None:
+            return
+        self.held[req.request_id] = (self.slots.pop(req.request_id), table)
+        self._hashes.pop(req.request_id, None)
+        self._shared.pop(req.request_id, None)
+
+    def release_held(self, request_id: str) -> None:
+        """Give back a held request's slot and blocks (they stay cached)."""
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            slot, table = held
+            self.pool.release(table)
+            self._free_slots.append(slot)
 
     def free(self, req: Request) -> None:
         """Give back the request's blocks (they stay cached) and its slot."""

@@ -24,6 +24,7 @@ import torch
 from .config import EngineConfig
 from .decode_graphs import DecodeGraph, DecodeGraphs, default_capture_sizes
 from .errors import ConfigError
+from .kv_transfer.sequence_state import SequenceState, read_sequence, write_sequence
 from .model.batch import Batch
 from .model.cache import ModelCache
 from .model.cache_spec import CacheGeometry, block_size_for
@@ -413,6 +414,18 @@ class ModelRunner:
         return dataclasses.replace(step, sequences=sequences)
 
     @torch.inference_mode()
+    def read_sequence(self, slot: int, blocks: list[int], num_tokens: int) -> SequenceState:
+        """The state of positions ``[0, num_tokens)`` of the sequence in ``slot`` (device thread)."""
+        if self.proposer is not None:
+            self.proposer.flush()
+        return read_sequence(self.cache, self.proposer.ring if self.proposer is not None else None, slot, blocks, num_tokens)
+
+    def install_sequence(self, slot: int, blocks: list[int], state: SequenceState) -> None:
+        """Install another engine's sequence state into ``slot`` and ``blocks`` (device thread, before its step)."""
+        if self.proposer is not None:
+            self.proposer.flush()
+        write_sequence(self.cache, self.proposer.ring if self.proposer is not None else None, slot, blocks, state)
+
     def execute_idle(self) -> None:
         """A step with nothing to compute on this rank: under expert parallelism it still serves the
         other ranks' tokens routed to its experts, in every layer."""

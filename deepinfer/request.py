@@ -14,6 +14,7 @@ from .step import PLACEHOLDER, DraftProposal, SampleSpec
 
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
+    from .kv_transfer.sequence_state import SequenceState
     from .structured_output import RequestGrammar
 
 
@@ -75,6 +76,10 @@ class Request:
     proposing: bool = False
     #: survival per position of the last draft made for it (what its next draft is expected to achieve)
     last_survival: tuple[float, ...] | None = None
+    #: keep its cache (slot and blocks) when it finishes, for another engine to take (disaggregated prefill)
+    hold_kv: bool = False
+    #: its prompt's state computed by another engine, installed when it is first scheduled (disaggregated decode)
+    imported: SequenceState | None = None
 
     def __post_init__(self) -> None:
         if not self.siblings:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .kv_cache_manager import KVCacheManager
+from .kv_transfer.sequence_state import SequenceState
 from .request import Request, RequestStatus
 from .spec_decode.speculation import Speculation, StepOutlook
 from .stats import EngineStats
@@ -53,6 +54,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     #: requests finished since the previous output
     finished_request_ids: list[str] = field(default_factory=list)
+    #: imported sequences to install before this step: (slot, block table, state)
+    installs: list[tuple[int, list[int], SequenceState]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -155,6 +158,11 @@ class Scheduler:
             req = self.waiting[0]
             if not self.kv.has_free_slot:
                 break
+            if req.imported is not None:
+                if not self._start_imported(out, req):
+                    break
+                budget -= 1
+                continue
             hit = self.kv.prefix_hit(req)
             cached = len(hit) * self.kv.block_size
             start = self.replay_start(cached) if hit else 0
@@ -182,6 +190,22 @@ class Scheduler:
             self.stats.steps += 1
             self.stats.computed_tokens += out.num_tokens
         return out
+
+    def _start_imported(self, out: SchedulerOutput, req: Request) -> bool:
+        """Start a request whose prompt another engine computed: its state is installed before this step,
+        which feeds its first output token (no prompt token is computed here). False: no room yet."""
+        n = req.imported.num_tokens
+        if not self.kv.allocate(req, n + 1):
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = n
+        req.state_floor = 0
+        self.running.append(req)
+        out.installs.append((self.kv.slots[req.request_id], list(self.kv.tables[req.request_id]), req.imported))
+        req.imported = None  # preempted later, it is recomputed from its tokens like any other
+        self._emit(out, req, n, req.num_tokens - n)
+        return True
 
     def _decodes(self, req: Request) -> bool:
         """Whether ``req``'s next record feeds one token and samples (a decode, maybe verifying drafts)."""
@@ -369,7 +393,10 @@ class Scheduler:
                 waiting.remove(req)
             if not waiting:
                 self._forks.pop(req.fork_source.request_id, None)
-        self.kv.free(req)
+        if req.hold_kv:
+            self.kv.hold(req)
+        else:
+            self.kv.free(req)
         self._finished_ids.append(req.request_id)
         for child in self._forks.pop(req.request_id, []):  # it never reached the end of its prompt
             child.fork_source = None

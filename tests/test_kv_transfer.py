@@ -1,0 +1,117 @@
+"""A request prefilled by one engine and decoded by another: the decode engine installs the prompt's whole
+cache state (blocks and ring rows by position, the draft's context) and continues exactly where a
+single engine would, computing no prompt token itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.errors import DeepInferError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
+PROMPTS = [
+    "def read_file(path):",
+    " ".join(WORDS[i % len(WORDS)] for i in range(150)),  # past the 128-token window: the rings wrap
+    " ".join(WORDS[(3 * i) % len(WORDS)] for i in range(420)),  # several compressed blocks of every ratio
+]
+
+
+def _run(engine, prompt_ids, params, **kwargs):
+    req = engine.add_request(prompt_ids, params, **kwargs)
+    while not req.all_finished:
+        engine.step()
+    return req
+
+
+@pytest.fixture(scope="module", params=["dspark", None], ids=["speculative", "plain"])
+def engines(request):
+    spec = request.param
+    colocated = LLM(backend="cpu", speculative_method=spec)
+    prefill = LLM(backend="cpu", speculative_method=spec, max_prefill_chunk=96)  # other chunking, other ring margins
+    decode = LLM(backend="cpu", speculative_method=spec, max_num_seqs=8)  # other slots, other block ids
+    yield colocated, prefill.engine, decode.engine
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "wraps", "long"])
+def test_decode_engine_continues_exactly_where_the_prefill_engine_stopped(engines, prompt):
+    colocated, prefill, decode = engines
+    ids = colocated.get_tokenizer().encode(prompt).ids
+    expected = colocated.generate([ids], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+
+    _run(decode, colocated.get_tokenizer().encode("warm the slot up with another sequence").ids,
+         SamplingParams(temperature=0.0, max_tokens=8))  # a slot that held another sequence first
+    first = _run(prefill, ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), hold_kv=True)
+    handed = prefill.export_prefilled(first.request_id)
+    prefill.release_prefilled(first.request_id)
+    prefill.release([first.request_id])
+    assert handed.output_token_ids == expected.token_ids[:1]
+    assert handed.state.num_tokens == len(ids) and handed.state.nbytes > 0
+
+    before = decode.stats.prefill_tokens
+    got = _run(decode, ids, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), prefilled=handed)
+    out = decode.output(got).outputs[0]
+    decode.release([got.request_id])
+    assert out.token_ids == expected.token_ids
+    assert out.text == expected.text
+    assert decode.stats.prefill_tokens == before  # not one prompt token computed on the decode side
+
+
+def test_held_cache_is_kept_until_released(engines):
+    _, prefill, _ = engines
+    free = prefill.kv.pool.num_free
+    req = _run(prefill, list(range(10, 90)), SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    assert req.request_id in prefill.kv.held and prefill.kv.pool.num_free < free
+    prefill.release_prefilled(req.request_id)
+    prefill.release([req.request_id])
+    assert req.request_id not in prefill.kv.held and prefill.kv.pool.num_free == free
+    with pytest.raises(DeepInferError, match="holds no cache to export"):
+        prefill.export_prefilled(req.request_id)
+
+
+def test_a_state_for_another_prompt_is_refused(engines):
+    colocated, prefill, decode = engines
+    first = _run(prefill, list(range(10, 60)), SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    handed = prefill.export_prefilled(first.request_id)
+    prefill.release_prefilled(first.request_id)
+    prefill.release([first.request_id])
+    req = decode.add_request(list(range(10, 70)), SamplingParams(max_tokens=4), prefilled=handed)
+    assert req.finished and "holds 50 positions but the prompt has 60 tokens" in req.error
+    decode.release([req.request_id])
+
+
+def test_installed_state_reads_back_the_same(engines):
+    """Written into another engine's slot and blocks, every part of the state (rings by position, blocks,
+    the draft's context) reads back as it was exported."""
+    colocated, prefill, decode = engines
+    ids = colocated.get_tokenizer().encode(PROMPTS[1]).ids
+    first = _run(prefill, ids, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    state = prefill.export_prefilled(first.request_id).state
+    prefill.release_prefilled(first.request_id)
+    prefill.release([first.request_id])
+    blocks = decode.kv.pool.allocate(len(state.blocks))
+    slot = decode.kv._free_slots[0]
+    try:
+        decode.runner.install_sequence(slot, blocks, state)
+        back = decode.runner.read_sequence(slot, blocks, state.num_tokens)
+    finally:
+        decode.kv.pool.release(blocks)
+    assert [[t.equal(u) for t, u in zip(a, b)] for a, b in zip(back.blocks, state.blocks)] == [[True] * len(a) for a in state.blocks]
+    def same_tail(got, sent) -> bool:  # the positions both rings hold (a larger ring reads older rows it was never given)
+        keep = min(len(got.positions), len(sent.positions))
+        return keep > 0 and (got.positions[-keep:] == sent.positions[-keep:]).all() and got.data[-keep:].equal(sent.data[-keep:])
+
+    assert all(same_tail(got, sent) for got, sent in zip(back.window, state.window))
+    for got, sent in zip(back.states, state.states):
+        assert got.keys() == sent.keys()
+        assert all(same_tail(g, s) for branch in got for g, s in zip(got[branch], sent[branch]))
+    if state.draft is None:
+        assert back.draft is None
+    else:
+        assert len(state.draft.ctx_positions) > 0
+        order = lambda p: p.argsort()  # noqa: E731 - rows come back in ring order
+        assert (back.draft.ctx_positions[order(back.draft.ctx_positions)] == state.draft.ctx_positions[order(state.draft.ctx_positions)]).all()
+        assert back.draft.ctx[order(back.draft.ctx_positions)].equal(state.draft.ctx[order(state.draft.ctx_positions)])
+        assert back.draft.kv[:, order(back.draft.kv_positions)].equal(state.draft.kv[:, order(state.draft.kv_positions)])
