@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	# the test tools and community Triton (its interpreter runs the CUDA kernels on the CPU)
 	$(BIN)/pip install --quiet -e '.[test,cuda]'
+	# the mooncake KV connector's RDMA libraries (Debian's names), installed where this user may
+	@ldconfig -p | grep -q libibverbs.so.1 || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -q libibverbs1 librdmacm1 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 librdmacm1 >/dev/null 2>&1; } \
+		|| echo "deepinfer: could not install libibverbs1 librdmacm1 (the mooncake KV connector needs them): sudo apt-get install libibverbs1 librdmacm1"; \
+	else echo "deepinfer: the mooncake KV connector needs libibverbs1 and librdmacm1: sudo apt-get install libibverbs1 librdmacm1"; fi; }
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -26,6 +26,7 @@ GROUPS = {
     "devices": "deepinfer.devices",
     "communicators": "deepinfer.communicators",
     "kernels": "deepinfer.kernels",
+    "kv_connectors": "deepinfer.kv_connectors",
 }
 
 
@@ -51,7 +52,7 @@ def _packages(namespace: str) -> dict[str, str]:
 
 
 def discover(kind: str) -> dict[str, Plugin]:
-    """Every plugin in group ``kind`` (``backends``, ``devices``, ``communicators``, ``kernels``)."""
+    """Every plugin in group ``kind`` (``backends``, ``devices``, ``communicators``, ``kernels``, ``kv_connectors``)."""
     namespace = GROUPS[kind]
     packages = _packages(namespace)
     found: dict[str, Plugin] = {}

@@ -1,10 +1,11 @@
-"""DeepInfer's backend contract: Device, Communicator, Kernels, Backend and the op specs."""
+"""DeepInfer's backend contract: Device, Communicator, Kernels, Backend, KVConnector and the op specs."""
 
 from .backend import Backend
 from .communicator import Communicator, DispatchHandle, DispatchResult
 from .device import Device, DeviceCapabilities, HostEvent, HostStream, host_stream_context, record_stream_graph
 from .errors import NotSupportedError
 from .kernels import Kernels
+from .kv_connector import KVConnector, KVConnectorError
 from .quant import QuantizedWeight
 from .version import INTERFACE_VERSION
 
@@ -18,6 +19,8 @@ __all__ = [
     "DispatchResult",
     "HostEvent",
     "HostStream",
+    "KVConnector",
+    "KVConnectorError",
     "Kernels",
     "NotSupportedError",
     "QuantizedWeight",
