@@ -177,6 +177,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template, max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser != "none",
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser, access_log=args.access_log,
+        disaggregation_mode=args.disaggregation_mode, kv_connector=args.kv_connector,
+        disaggregation_bootstrap_port=args.disaggregation_bootstrap_port, kv_transfer_timeout=args.kv_transfer_timeout,
     )
     return serve(config, options)
 
@@ -295,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="auto",
                    help="tool-call format parsed from replies when tools are declared: auto (the chat format's), deepseek_v4 (DSML), hermes (<tool_call> JSON), or none")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--disaggregation-mode", default="both", choices=["both", "prefill", "decode"],
+                   help="both (default): prefill and decode here; prefill: compute prompts and hand their KV over; decode: take it and generate")
+    p.add_argument("--kv-connector", default="mooncake", help="how prefill and decode servers move KV state: mooncake (default) or store (through --kv-store DIR)")
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998, help="prefill server: where decode servers meet it (SGLang's router)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=60.0, help="prefill server: seconds a handed-over KV state waits for its decode server")
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_serve)
 

@@ -24,10 +24,14 @@ pytestmark = pytest.mark.slow
 PROMPT = "def read_file(path):"
 
 
+def router_binary() -> str:
+    """vLLM's router, from this environment."""
+    return shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
+
+
 def _router_command(kind: str, workers: list[str], port: int, policy: str) -> list[str]:
     if kind == "vllm":
-        exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
-        return [exe, "--worker-urls", *workers, "--port", str(port), "--policy", policy,
+        return [router_binary(), "--worker-urls", *workers, "--port", str(port), "--policy", policy,
                 "--prometheus-port", str(free_port()), "--worker-startup-timeout-secs", "120"]
     return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers, "--port", str(port),
             "--policy", policy, "--prometheus-port", str(free_port()), "--worker-startup-timeout-secs", "120"]

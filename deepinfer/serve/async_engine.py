@@ -26,7 +26,8 @@ from ..sampling_params import SamplingParams
 from ..config import EngineConfig
 from ..stats import EngineLoad
 from .engine_process import (
-    Abort, Add, Admitted, Answer, EngineInfo, Failed, OutputDelta, Query, StepOutputs, Stop, apply_delta, run_engine_process,
+    Abort, Add, Admitted, Answer, EngineInfo, Failed, OutputDelta, Query, StepOutputs, Stop, TransferSettings, apply_delta,
+    run_engine_process,
 )
 
 log = logging.getLogger("deepinfer")
@@ -128,8 +129,10 @@ class AsyncEngine:
     answers 503 on ``/health`` and exits non-zero.
     """
 
-    def __init__(self, config: EngineConfig, max_queued_requests: int, verbose: bool = True) -> None:
+    def __init__(self, config: EngineConfig, max_queued_requests: int, verbose: bool = True,
+                 transfer: TransferSettings | None = None) -> None:
         self.config = config
+        self.transfer = transfer
         self.max_queued_requests = max_queued_requests
         self.verbose = verbose
         self.on_dead: Any = None
@@ -152,7 +155,7 @@ class AsyncEngine:
         raises with the engine's one-line reason."""
         ctx = multiprocessing.get_context("spawn")
         mine, theirs = ctx.Pipe()
-        self._process = ctx.Process(target=run_engine_process, args=(self.config.model_dump_json(), theirs, self.verbose),
+        self._process = ctx.Process(target=run_engine_process, args=(self.config.model_dump_json(), theirs, self.verbose, self.transfer),
                                     name="deepinfer-engine", daemon=True)
         self._process.start()
         theirs.close()
@@ -202,8 +205,13 @@ class AsyncEngine:
     def load(self) -> EngineLoad:
         return self._load
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, num_prompt_tokens: int) -> RequestStream:
-        """Send a request for the next step; raises when the engine is dead or too many requests wait."""
+    def submit(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, num_prompt_tokens: int, *,
+        hold_kv: bool = False, kv_transfer_params: dict[str, Any] | None = None,
+    ) -> RequestStream:
+        """Send a request for the next step; raises when the engine is dead or too many requests wait.
+        ``hold_kv`` (prefill role): publish its state when it finishes; ``kv_transfer_params`` (decode role):
+        fetch its prompt's state from a prefill server first."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has failed ({self.dead}); the server is restarting")
         waiting = self._load.num_waiting + self._unadmitted
@@ -214,7 +222,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, num_prompt_tokens)
         self.streams[request_id] = stream
         self._unadmitted += 1
-        self._send(Add(request_id, prompt, params))
+        self._send(Add(request_id, prompt, params, hold_kv, kv_transfer_params))
         return stream
 
     def abort(self, request_id: str) -> None:

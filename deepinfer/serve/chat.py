@@ -72,12 +72,14 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     tool_parser = _tool_parser(body, state)
     text, ids = render(body, state)
     state.check_prompt(ids, "messages")
+    hold_kv, transfer = state.transfer(body, 1)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    requested = 1 if hold_kv else requested  # a prefill server samples the first token; the decode server the rest
     top = (body.top_logprobs or 0) if body.logprobs else None
     named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = sampling_params(body, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len, named), logprobs=top)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = state.engine.submit(rid, ids, params, len(ids))
+    stream = state.engine.submit(rid, ids, params, len(ids), hold_kv=hold_kv, kv_transfer_params=transfer)
     await admit(state.engine, [stream], state.metrics, constraint_field(body))
     created = int(time.time())
     if body.stream:
@@ -94,7 +96,10 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
             "stop_reason": c.stop_reason,
         })
     counts = usage(len(ids), sum(len(c.token_ids) for c in out.outputs))
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": counts})
+    response = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": counts}
+    if hold_kv:
+        response["kv_transfer_params"] = out.extra.get("kv_transfer_params")
+    return JSONResponse(response)
 
 
 def _message(parsed: ParsedChat, include_reasoning: bool) -> dict[str, Any]:

@@ -47,11 +47,13 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
     if body.logprobs is not None and not 0 <= body.logprobs <= 20:
         raise InvalidRequestError(f"logprobs must be between 0 and 20, got {body.logprobs}", "logprobs")
     prompts = _prompts(state, body.prompt)
+    hold_kv, transfer = state.transfer(body, len(prompts))
     engine = state.engine
     base = f"cmpl-{uuid.uuid4().hex}"
     params = []
     for _, ids in prompts:
         requested = body.max_tokens if body.max_tokens is not None else min(DEFAULT_MAX_TOKENS, state.max_model_len - len(ids))
+        requested = 1 if hold_kv else requested  # a prefill server samples the first token; the decode server the rest
         params.append(sampling_params(
             body, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len), logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
@@ -59,7 +61,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
     streams = []
     try:
         for i, ((_, ids), p) in enumerate(zip(prompts, params)):
-            streams.append(engine.submit(f"{base}-{i}", ids, p, len(ids)))
+            streams.append(engine.submit(f"{base}-{i}", ids, p, len(ids), hold_kv=hold_kv, kv_transfer_params=transfer))
     except Exception:
         release(engine, streams, state.metrics)  # the queue filled up part-way: the earlier prompts go too
         raise
@@ -82,10 +84,13 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
                 "stop_reason": c.stop_reason,
             })
     prompt_tokens = sum(len(ids) for _, ids in prompts)
-    return JSONResponse({
+    response = {
         "id": base, "object": "text_completion", "created": created, "model": model, "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
-    })
+    }
+    if hold_kv:
+        response["kv_transfer_params"] = outs[0].extra.get("kv_transfer_params")
+    return JSONResponse(response)
 
 
 

@@ -13,11 +13,16 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from deepinfer_interfaces.kv_connector import KVConnectorError
+
 from ..errors import DeepInferError
+from ..kv_transfer.handoffs import Handoffs
+from ..kv_transfer.sequence_state import PrefilledRequest
 from ..outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from ..sampling_params import SamplingParams
 from ..stats import EngineLoad
@@ -33,6 +38,10 @@ class Add:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
+    #: prefill role: keep its cache when it finishes and publish it for a decode server
+    hold_kv: bool = False
+    #: decode role: where its prompt's state is (a prefill server's ``kv_transfer_params``)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,10 @@ class OutputDelta:
     #: sent once, with the delta that finishes the request
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    #: prefill role: where a decode server fetches its state from
+    kv_transfer_params: dict[str, Any] | None = None
+    #: the error is the server's (a failed KV transfer), not the request's
+    server_error: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,23 +175,30 @@ def apply_delta(out: RequestOutput | None, delta: OutputDelta) -> RequestOutput:
     out.finished, out.error, out.num_cached_tokens = delta.finished, delta.error, delta.num_cached_tokens
     if delta.prompt_token_ids is not None:
         out.prompt_token_ids, out.prompt_logprobs = delta.prompt_token_ids, delta.prompt_logprobs
+    if delta.kv_transfer_params is not None:
+        out.extra["kv_transfer_params"] = delta.kv_transfer_params
+    if delta.server_error:
+        out.extra["server_error"] = True
     return out
 
 
 class _EngineLoop:
     """The engine process's loop: messages in between steps, deltas out after each."""
 
-    def __init__(self, engine: Any, conn: Connection) -> None:
+    def __init__(self, engine: Any, conn: Connection, handoffs: Handoffs | None = None) -> None:
         self.engine = engine
         self.conn = conn
+        self.handoffs = handoffs
         self.sent: dict[str, _Sent] = {}
         self.stopping = False
         self.last_load = EngineLoad()
+        #: decode role: requests whose state is being fetched
+        self.fetching: dict[str, Add] = {}
 
     def run(self) -> None:
         engine = self.engine
         while not self.stopping:
-            busy = engine.has_unfinished
+            busy = engine.has_unfinished or bool(self.fetching)
             try:
                 if self.conn.poll(0 if busy else IDLE_POLL_S):
                     while not self.stopping and self.conn.poll():
@@ -187,9 +207,14 @@ class _EngineLoop:
                 return
             if self.stopping:
                 break
+            if self.handoffs is not None:
+                self._transfers()
             if engine.has_unfinished:
                 changed = engine.step()
                 deltas = [self._take(engine.output(r)) for r in changed]
+                for r, d in zip(changed, deltas):
+                    if d.finished and getattr(r, "hold_kv", False):
+                        self._publish(d)
                 engine.release([d.request_id for d in deltas if d.finished])
                 self.last_load = engine.load()
                 self.conn.send(StepOutputs(deltas, self.last_load))
@@ -202,6 +227,44 @@ class _EngineLoop:
                 if problem is not None:
                     raise DeepInferError(problem)
 
+    def _transfers(self) -> None:
+        """Fetched states become requests; what no decode server took in time is released."""
+        handoffs = self.handoffs
+        handoffs.expire()
+        for request_id, prefilled, failure in handoffs.done():
+            msg = self.fetching.pop(request_id, None)
+            if msg is None:  # aborted while its state was on the way
+                continue
+            if failure is not None:
+                self.conn.send(Admitted(request_id, None))
+                self.conn.send(StepOutputs([OutputDelta(request_id, [], True, failure, server_error=True)], self.engine.load()))
+            else:
+                self._add(msg, prefilled)
+        if self.fetching and not self.engine.has_unfinished:
+            time.sleep(0.001)  # only transfers in flight: do not spin
+
+    def _publish(self, delta: OutputDelta) -> None:
+        """A prefill request finished: its state goes to the connector, its parameters into its last delta."""
+        if delta.error is not None:
+            self.engine.release_prefilled(delta.request_id)
+            return
+        try:
+            delta.kv_transfer_params = self.handoffs.publish(self.engine, delta.request_id)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the server goes on
+            delta.error, delta.server_error = f"publishing the KV state failed: {str(exc).splitlines()[0]}", True
+
+    def _add(self, msg: Add, prefilled: PrefilledRequest | None = None) -> None:
+        engine = self.engine
+        req = engine.add_request(msg.prompt, msg.params, request_id=msg.request_id, hold_kv=msg.hold_kv, prefilled=prefilled)
+        out = engine.output(req) if req.all_finished else None  # refused on arrival (or done by its first token)
+        self.conn.send(Admitted(msg.request_id, out.error if out is not None else None))
+        if out is not None:
+            delta = self._take(out)
+            if req.hold_kv and out.error is None:
+                self._publish(delta)
+            self.conn.send(StepOutputs([delta], engine.load()))
+            engine.release([msg.request_id])
+
     def _take(self, out: RequestOutput) -> OutputDelta:
         sent = self.sent.setdefault(out.request_id, _Sent())
         delta = _delta(out, sent)
@@ -212,19 +275,23 @@ class _EngineLoop:
     def _apply(self, msg: Add | Abort | Query | Stop) -> None:
         engine = self.engine
         if isinstance(msg, Add):
-            req = engine.add_request(msg.prompt, msg.params, request_id=msg.request_id)
-            out = engine.output(req) if req.all_finished else None  # refused on arrival: its output carries the reason
-            self.conn.send(Admitted(msg.request_id, out.error if out is not None else None))
-            if out is not None:
-                self.conn.send(StepOutputs([self._take(out)], engine.load()))
-                engine.release([msg.request_id])
+            if msg.kv_transfer_params is not None and self.handoffs is not None:
+                self.fetching[msg.request_id] = msg
+                self.handoffs.start_fetch(msg.request_id, msg.kv_transfer_params)
+            else:
+                self._add(msg)
         elif isinstance(msg, Abort):
+            self.fetching.pop(msg.request_id, None)
             engine.abort(msg.request_id)
             engine.release([msg.request_id])
             self.sent.pop(msg.request_id, None)
         elif isinstance(msg, Query):
             try:
-                value = engine.get_metrics() if msg.what == "metrics" else engine.reset_prefix_cache()
+                if msg.what == "metrics":
+                    value = engine.get_metrics()
+                    value.update(self.handoffs.stats.as_dict() if self.handoffs is not None else {})
+                else:
+                    value = engine.reset_prefix_cache()
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 self.conn.send(Answer(msg.call_id, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
             else:
@@ -236,12 +303,38 @@ class _EngineLoop:
         """Abort what is in flight and close the engine (its ranks, its store writes)."""
         for rid in list(self.sent):
             self.engine.abort(rid)
+        if self.handoffs is not None:
+            self.handoffs.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
 
 
-def run_engine_process(config_json: str, conn: Connection, verbose: bool) -> None:
+@dataclass(frozen=True)
+class TransferSettings:
+    """A disaggregated server's connector: its plugin name, options and how long a published state waits."""
+
+    connector: str
+    options: dict[str, Any]
+    timeout_s: float
+
+
+def _handoffs(transfer: TransferSettings | None) -> Handoffs | None:
+    if transfer is None:
+        return None
+    from ..registry import load_part
+
+    cls = load_part("kv_connectors", transfer.connector)
+    ok, why = cls.is_available()
+    if not ok:
+        raise DeepInferError(f"kv connector {transfer.connector!r} is unavailable: {why}")
+    try:
+        return Handoffs(cls(transfer.options), transfer.timeout_s)
+    except KVConnectorError as exc:
+        raise DeepInferError(str(exc)) from None
+
+
+def run_engine_process(config_json: str, conn: Connection, verbose: bool, transfer: TransferSettings | None = None) -> None:
     """The engine process's entry point (spawned): build the engine, say ready, step until told to stop.
     A failure is one line to the server, then exit status 1."""
     from ..config import EngineConfig
@@ -263,10 +356,11 @@ def run_engine_process(config_json: str, conn: Connection, verbose: bool) -> Non
         from ..parallel.engines import make_engine
 
         engine = make_engine(EngineConfig.model_validate_json(config_json))
+        handoffs = _handoffs(transfer)
         backend = getattr(engine, "backend", None)
         conn.send(EngineInfo(engine.max_model_len, engine.model_config.vocab_size, engine.model_config.model_type,
                              backend.name if backend is not None else engine.config.backend))
-        loop = _EngineLoop(engine, conn)
+        loop = _EngineLoop(engine, conn, handoffs)
         loop.run()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes one line for the server
         if not isinstance(exc, (DeepInferError, KeyboardInterrupt)):

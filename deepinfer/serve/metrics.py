@@ -35,6 +35,12 @@ _COUNTERS = {
     "spec_verified_tokens": ("spec_decode_num_draft_tokens", "Drafted tokens verified"),
     "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Drafted tokens accepted"),
     "steps": ("engine_steps", "Engine steps"),
+    "prefill_tokens": ("prefill_tokens_computed", "Prompt (and recomputed) tokens run through the model"),
+    "kv_transfers": ("kv_transfers", "Prompt states fetched from a prefill server (decode role)"),
+    "kv_transfer_bytes": ("kv_transfer_bytes", "Bytes of prompt state fetched from prefill servers"),
+    "kv_transfer_seconds": ("kv_transfer_seconds", "Seconds spent fetching prompt state"),
+    "kv_transfer_failures": ("kv_transfer_failures", "Fetches of prompt state that failed (the request failed with them)"),
+    "kv_transfers_expired": ("kv_transfers_expired", "Published prompt states no decode server fetched in time (prefill role)"),
 }
 
 

@@ -69,6 +69,9 @@ class SamplingFields(_Body):
     guided_choice: list[str] | None = None
     cache_class: str | None = None
     user: str | None = None
+    #: disaggregated serving (vLLM's router protocol): to a prefill server ``{"do_remote_decode": true, ...}``; to a
+    #: decode server, the prefill server's answer, unchanged
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

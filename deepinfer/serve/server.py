@@ -33,6 +33,7 @@ from ..loader import load_tokenizer
 from ..parallel.engines import make_engine
 from ..parallel.launch import torchrun_rank
 from .async_engine import AsyncEngine
+from .engine_process import TransferSettings
 from .chat_parsing import TOOL_PARSERS
 from .metrics import ServerMetrics
 from .state import ServerState
@@ -59,6 +60,12 @@ class ServeOptions:
     #: "auto": the format the chat template writes calls in (DSML for DeepSeek-V4, else <tool_call> JSON if the template uses it)
     tool_call_parser: str | None = "auto"
     access_log: bool = False
+    #: ``both`` (colocated), ``prefill`` or ``decode``: this server's part of disaggregated serving
+    disaggregation_mode: str = "both"
+    kv_connector: str = "mooncake"
+    disaggregation_bootstrap_port: int = 8998
+    #: seconds a prefill server keeps a published state no decode server fetched
+    kv_transfer_timeout: float = 60.0
 
 
 class _Server(uvicorn.Server):
@@ -109,6 +116,16 @@ def _tool_call_parser(choice: str | None, fmt: ChatFormat | None) -> str | None:
     return "deepseek_v4"
 
 
+def _transfer(config: EngineConfig, options: ServeOptions) -> TransferSettings | None:
+    """The connector of a prefill or decode server (None: colocated)."""
+    if options.disaggregation_mode == "both":
+        return None
+    if config.expert_parallel_size > 1:
+        raise ConfigError(f"--disaggregation-mode {options.disaggregation_mode} runs one engine per server for now; drop --ep")
+    host = options.host if options.host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname())
+    return TransferSettings(options.kv_connector, {"host": host, "directory": config.kv_store}, options.kv_transfer_timeout)
+
+
 def _default_name(config: EngineConfig) -> str:
     return config.model if config.model is not None else resolve_model_dir(None).name
 
@@ -131,7 +148,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     model_dir = resolve_model_dir(config.model)
     started = time.monotonic()
     log.info("loading %s (backend %s%s)", model_dir, config.backend, f", --ep {config.expert_parallel_size}" if config.expert_parallel_size > 1 else "")
-    engine = AsyncEngine(config, options.max_queued_requests, verbose=log.isEnabledFor(logging.INFO))
+    engine = AsyncEngine(config, options.max_queued_requests, verbose=log.isEnabledFor(logging.INFO), transfer=_transfer(config, options))
     try:
         info = engine.start_process()
         tokenizer = load_tokenizer(model_dir)
@@ -147,11 +164,13 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     facts = {
         "model_path": str(model_dir), "model_type": info.model_type, "engine_config": config.model_dump(mode="json"),
         "backend": info.backend, "chat_format": fmt.name if fmt is not None else None, "version": _version(),
+        "disaggregation_mode": options.disaggregation_mode,
+        "kv_connector": options.kv_connector if options.disaggregation_mode != "both" else None,
     }
     state = ServerState(
         engine=engine, tokenizer=tokenizer, model_names=names, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         metrics=ServerMetrics(names[0]), chat_format=fmt, chat_format_error=fmt_error, reasoning_parser=options.reasoning_parser,
-        tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=facts,
+        tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=facts, disaggregation_mode=options.disaggregation_mode,
     )
     return _event_loop_run(_run(state, options, sock, time.monotonic() - started))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -11,6 +12,7 @@ from ..chat import ChatFormat
 from ..sampling_params import InvalidRequestError
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
+from .protocol import SamplingFields
 
 
 class ModelNotFound(InvalidRequestError):
@@ -37,6 +39,25 @@ class ServerState:
     started: float = field(default_factory=time.time)
     #: the server stops taking requests (SIGTERM: draining)
     draining: bool = False
+    #: ``both`` (colocated), ``prefill`` or ``decode`` (disaggregated serving)
+    disaggregation_mode: str = "both"
+
+    def transfer(self, body: SamplingFields, n_prompts: int) -> tuple[bool, dict[str, Any] | None]:
+        """This server's part of a disaggregated request: (hold and publish its state: a prefill server,
+        the prefill server's parameters to fetch it with: a decode server)."""
+        mode = self.disaggregation_mode
+        if mode == "both":
+            return False, None
+        if n_prompts != 1 or body.n != 1:
+            raise InvalidRequestError(f"a {mode} server takes one prompt with n=1 per request", "n" if body.n != 1 else "prompt")
+        if mode == "prefill":
+            return True, None
+        if body.kv_transfer_params is None:
+            raise InvalidRequestError(
+                "this is a decode server: send requests through a prefill/decode router, which adds the prefill server's "
+                "kv_transfer_params", "kv_transfer_params",
+            )
+        return False, body.kv_transfer_params
 
     def model_name(self, requested: str | None) -> str:
         """The name a response carries; an unknown requested name is a 404."""

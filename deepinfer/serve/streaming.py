@@ -39,7 +39,7 @@ def check_output(stream: RequestStream, out: RequestOutput | None) -> RequestOut
     if out is None:
         raise RequestFailed(stream.error or "the request failed")
     if out.error:
-        if not any(c.token_ids for c in out.outputs):
+        if not out.extra.get("server_error") and not any(c.token_ids for c in out.outputs):
             raise InvalidRequestError(out.error)
         raise RequestFailed(out.error)
     return out

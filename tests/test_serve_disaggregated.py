@@ -1,0 +1,123 @@
+"""Prefill and decode in separate servers, the KV state handed over by a connector: through vLLM's router
+unchanged, the outputs are a colocated server's; the decode server computes no prompt token; a transfer
+that cannot be made fails its request alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.helpers.servers import free_port, running_server
+from tests.test_serve_routers import router_binary
+
+pytestmark = pytest.mark.slow
+
+BODY = {"model": "tiny-v4", "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = ["def read_file(path):", "import numpy as np\n" * 12]
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return float(re.search(rf"^deepinfer:{name}\S* (\S+)$", text, re.M).group(1))
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    with running_server([]) as srv:
+        yield srv
+
+
+def _pd_router(prefill: str, decode: str, log):
+    port = free_port()
+    proc = subprocess.Popen([router_binary(), "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode, "--port", str(port),
+                             "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "NO_COLOR": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, "the router exited"
+        try:
+            if httpx.post(url + "/v1/completions", json={**BODY, "prompt": "x", "max_tokens": 2}, timeout=30).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the router never routed"
+        time.sleep(1)
+
+
+def test_vllm_router_pd_mode_gives_the_colocated_outputs(colocated, tmp_path):
+    with running_server(["--disaggregation-mode", "prefill"]) as prefill, running_server(["--disaggregation-mode", "decode"]) as decode:
+        with open(tmp_path / "router.log", "wb") as log:
+            proc, url = _pd_router(prefill.url, decode.url, log)
+        try:
+            computed = _metric(decode.url, "prefill_tokens_computed_total")
+            for prompt in PROMPTS:
+                expected = httpx.post(colocated.url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120).json()
+                got = httpx.post(url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120)
+                assert got.status_code == 200, got.text
+                assert got.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+            chat = {**BODY, "messages": [{"role": "user", "content": "Write a haiku about tea."}], "max_tokens": 16}
+            expected = httpx.post(colocated.url + "/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]["message"]["content"]
+            streamed = ""
+            with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        for c in json.loads(line[6:])["choices"]:
+                            streamed += c["delta"].get("content") or ""
+            assert streamed == expected
+            assert _metric(decode.url, "prefill_tokens_computed_total") == computed  # the decode server computed no prompt
+            assert _metric(decode.url, "kv_transfers_total") >= 3 and _metric(decode.url, "kv_transfer_bytes_total") > 0
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _prefill_then_decode(prefill_url: str, decode_url: str, prompt: str, before_decode=None) -> httpx.Response:
+    first = httpx.post(prefill_url + "/v1/completions", json={**BODY, "prompt": prompt, "max_tokens": 1,
+                                                              "kv_transfer_params": {"do_remote_decode": True}}, timeout=120)
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    if before_decode is not None:
+        before_decode()
+    return httpx.post(decode_url + "/v1/completions", json={**BODY, "prompt": prompt, "kv_transfer_params": params}, timeout=120)
+
+
+def test_store_connector_through_a_shared_directory(colocated, tmp_path):
+    shared = ["--kv-connector", "store", "--kv-store", str(tmp_path / "shared")]
+    with running_server(["--disaggregation-mode", "prefill", *shared]) as prefill, \
+            running_server(["--disaggregation-mode", "decode", *shared]) as decode:
+        expected = httpx.post(colocated.url + "/v1/completions", json={**BODY, "prompt": PROMPTS[1]}, timeout=120).json()
+        got = _prefill_then_decode(prefill.url, decode.url, PROMPTS[1])
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+
+
+def test_faults_fail_their_request_alone(tmp_path):
+    shared = ["--kv-connector", "store", "--kv-store", str(tmp_path / "shared")]
+    with running_server(["--disaggregation-mode", "prefill", "--kv-transfer-timeout", "1", *shared]) as prefill, \
+            running_server(["--disaggregation-mode", "decode", *shared]) as decode:
+        # a decode request without a prefill server's parameters
+        bare = httpx.post(decode.url + "/v1/completions", json={**BODY, "prompt": "hi"}, timeout=60)
+        assert bare.status_code == 400 and bare.json()["error"]["param"] == "kv_transfer_params"
+        # a state nobody fetched in time is released: its late decode fails with 500, naming the transfer
+        late = _prefill_then_decode(prefill.url, decode.url, PROMPTS[0], before_decode=lambda: time.sleep(4))
+        assert late.status_code == 500 and "KV transfer" in late.json()["error"]["message"], late.text
+        assert _metric(prefill.url, "kv_transfers_expired_total") >= 1
+        assert _metric(decode.url, "kv_transfer_failures_total") >= 1
+        # a corrupted transfer is refused, never decoded from
+        first = httpx.post(prefill.url + "/v1/completions", json={**BODY, "prompt": PROMPTS[0], "max_tokens": 1,
+                                                                  "kv_transfer_params": {"do_remote_decode": True}}, timeout=60).json()
+        params = {**first["kv_transfer_params"], "checksum": "0" * 32}
+        bad = httpx.post(decode.url + "/v1/completions", json={**BODY, "prompt": PROMPTS[0], "kv_transfer_params": params}, timeout=60)
+        assert bad.status_code == 500 and "checksum" in bad.json()["error"]["message"]
+        # and the decode server goes on serving, its cache all free again
+        ok = _prefill_then_decode(prefill.url, decode.url, PROMPTS[0])
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+        assert _metric(decode.url, "kv_cache_usage_perc") == 0
