@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -121,3 +122,37 @@ def test_faults_fail_their_request_alone(tmp_path):
         ok = _prefill_then_decode(prefill.url, decode.url, PROMPTS[0])
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
         assert _metric(decode.url, "kv_cache_usage_perc") == 0
+
+
+def test_sglang_router_pd_mode_meets_on_the_bootstrap_room(colocated, tmp_path):
+    """SGLang's router sends each request to both servers with a bootstrap room; the decode server asks the prefill
+    server's bootstrap port for the room's state."""
+    boot = free_port()
+    with running_server(["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)]) as prefill, \
+            running_server(["--disaggregation-mode", "decode"]) as decode:
+        port = free_port()
+        with open(tmp_path / "router.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill.url,
+                                     str(boot), "--decode", decode.url, "--port", str(port), "--prometheus-port", str(free_port())],
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "NO_COLOR": "1"})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None, "the router exited"
+                try:
+                    if httpx.get(url + "/health", timeout=10).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the router never became healthy"
+                time.sleep(1)
+            for prompt in PROMPTS:
+                expected = httpx.post(colocated.url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120).json()
+                got = httpx.post(url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120)
+                assert got.status_code == 200, got.text
+                assert got.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+            assert _metric(decode.url, "kv_transfers_total") >= 2
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

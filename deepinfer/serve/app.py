@@ -17,13 +17,15 @@ from ..errors import ChatFormatError, DeepInferError
 from ..sampling_params import InvalidRequestError
 from . import chat, completions
 from .async_engine import EngineDeadError
+from .bootstrap import ROOM_WAIT_S
 from .errors import RETRY_AFTER_S, error_for
 from .metrics import CONTENT_TYPE
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .state import ServerState
 
-#: endpoints anyone may call without the API key (orchestrators' probes, Prometheus)
+#: endpoints anyone may call without the API key (orchestrators' probes, Prometheus, the decode servers' rendezvous)
 OPEN_PATHS = ("/health", "/metrics")
+OPEN_PREFIXES = ("/bootstrap/",)
 
 
 def _error(status: int, body: dict[str, Any]) -> JSONResponse:
@@ -46,7 +48,7 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not scope["path"].startswith(OPEN_PREFIXES):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, b"Bearer " + self.api_key):
                 await _error(401, error_body("a valid API key is required: send the header 'Authorization: Bearer KEY'",
@@ -195,6 +197,16 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
         return {"model_path": state.info.get("model_path"), "tokenizer_path": state.info.get("model_path"), "is_generation": True,
                 "model_type": state.info.get("model_type"), "served_model_name": state.model_names[0],
                 "has_image_understanding": False, "has_audio_understanding": False, "max_model_len": state.max_model_len}
+
+    @app.get("/bootstrap/rooms/{room}")
+    async def bootstrap_room(room: str, wait: float = 0.0) -> JSONResponse:
+        """A prefill server's rendezvous (SGLang's router): where the room's KV state is, once its prefill ended."""
+        if state.rooms is None:
+            return _error(404, error_body("this server is not a prefill server; it has no bootstrap rooms", "invalid_request_error", 404))
+        params, problem = await state.rooms.wait(room, max(0.0, min(wait, ROOM_WAIT_S)))
+        if params is None:
+            return _error(404, error_body(problem or "no KV state", "invalid_request_error", 404))
+        return JSONResponse({"kv_transfer_params": params})
 
     @app.get("/get_load")
     async def get_load() -> list[dict[str, int]]:

@@ -15,7 +15,7 @@ import itertools
 import logging
 import multiprocessing
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -67,7 +67,9 @@ class RequestStream:
         self.timing = StreamTiming(arrival=time.monotonic())
         self._changed = asyncio.Event()
         self._tokens = 0
-        #: settled once the stepping thread has taken the request: None (accepted) or the reason it was refused
+        #: called once when the request ends: its last output (None when it failed) and the failure
+        self.on_finish: Callable[[RequestOutput | None, str | None], None] | None = None
+        #: settled once the engine has taken the request: None (accepted) or the reason it was refused
         self._admission: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
 
     @property
@@ -92,6 +94,8 @@ class RequestStream:
             t.finished = now
         self.latest = out
         self._changed.set()
+        if out.finished:
+            self._ended(out, out.error)
 
     async def admitted(self) -> str | None:
         """Wait until the engine has taken the request (at its next step boundary); the reason it refused
@@ -102,8 +106,14 @@ class RequestStream:
         if not self._admission.done():
             self._admission.set_result(refusal)
 
+    def _ended(self, out: RequestOutput | None, error: str | None) -> None:
+        callback, self.on_finish = self.on_finish, None
+        if callback is not None:
+            callback(out, error)
+
     def _fail(self, message: str) -> None:
         self._admit(None)  # a failure after acceptance: ``updates`` reports it
+        self._ended(None, message)
         self.error = message
         self.timing.finished = time.monotonic()
         self._changed.set()
@@ -229,6 +239,7 @@ class AsyncEngine:
         """Stop a request (its client went away); its cache blocks are freed at the next step."""
         stream = self.streams.pop(request_id, None)
         if stream is not None and not stream.finished:
+            stream._ended(None, "the request was aborted")
             self._send(Abort(request_id))
 
     def done(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ from ..errors import ChatFormatError
 from ..sampling_params import InvalidRequestError
 from .async_engine import RequestStream
 from .chat_parsing import ChatDelta, ChatOutputParser, ParsedChat, parse_chat_output
+from .bootstrap import post_when_done, room_of
 from .deltas import CompletionCursor, chat_logprobs, decoder, usage
 from .errors import error_for
 from .params import constraint_field, sampling_params, served_max_tokens
@@ -72,7 +73,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     tool_parser = _tool_parser(body, state)
     text, ids = render(body, state)
     state.check_prompt(ids, "messages")
-    hold_kv, transfer = state.transfer(body, 1)
+    hold_kv, transfer = await state.transfer(body, 1)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     requested = 1 if hold_kv else requested  # a prefill server samples the first token; the decode server the rest
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -80,6 +81,9 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     params = sampling_params(body, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len, named), logprobs=top)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.engine.submit(rid, ids, params, len(ids), hold_kv=hold_kv, kv_transfer_params=transfer)
+    room = room_of(body)
+    if hold_kv and room is not None and state.rooms is not None:
+        post_when_done(state.rooms, room, stream)
     await admit(state.engine, [stream], state.metrics, constraint_field(body))
     created = int(time.time())
     if body.stream:

@@ -12,6 +12,7 @@ from starlette.requests import Request as HTTPRequest
 
 from ..sampling_params import InvalidRequestError
 from .errors import error_for
+from .bootstrap import post_when_done, room_of
 from .deltas import CompletionCursor, completion_logprobs, decoder, usage
 from .params import constraint_field, sampling_params, served_max_tokens
 from .protocol import CompletionRequest
@@ -47,7 +48,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
     if body.logprobs is not None and not 0 <= body.logprobs <= 20:
         raise InvalidRequestError(f"logprobs must be between 0 and 20, got {body.logprobs}", "logprobs")
     prompts = _prompts(state, body.prompt)
-    hold_kv, transfer = state.transfer(body, len(prompts))
+    hold_kv, transfer = await state.transfer(body, len(prompts))
     engine = state.engine
     base = f"cmpl-{uuid.uuid4().hex}"
     params = []
@@ -65,6 +66,9 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
     except Exception:
         release(engine, streams, state.metrics)  # the queue filled up part-way: the earlier prompts go too
         raise
+    room = room_of(body)
+    if hold_kv and room is not None and state.rooms is not None:
+        post_when_done(state.rooms, room, streams[0])
     await admit(engine, streams, state.metrics, constraint_field(body))
     created = int(time.time())
     if body.stream:

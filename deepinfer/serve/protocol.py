@@ -72,6 +72,10 @@ class SamplingFields(_Body):
     #: disaggregated serving (vLLM's router protocol): to a prefill server ``{"do_remote_decode": true, ...}``; to a
     #: decode server, the prefill server's answer, unchanged
     kv_transfer_params: dict[str, Any] | None = None
+    #: disaggregated serving (SGLang's router protocol): where the prefill server's rendezvous is, and the pair's room
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | str | None = None
 
 
 class CompletionRequest(SamplingFields):

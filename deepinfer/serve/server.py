@@ -33,6 +33,7 @@ from ..loader import load_tokenizer
 from ..parallel.engines import make_engine
 from ..parallel.launch import torchrun_rank
 from .async_engine import AsyncEngine
+from .bootstrap import Rooms
 from .engine_process import TransferSettings
 from .chat_parsing import TOOL_PARSERS
 from .metrics import ServerMetrics
@@ -172,7 +173,11 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         metrics=ServerMetrics(names[0]), chat_format=fmt, chat_format_error=fmt_error, reasoning_parser=options.reasoning_parser,
         tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=facts, disaggregation_mode=options.disaggregation_mode,
     )
-    return _event_loop_run(_run(state, options, sock, time.monotonic() - started))
+    sockets = [sock]
+    if options.disaggregation_mode == "prefill":  # SGLang's router sends decode servers here to find each room's state
+        state.rooms = Rooms(options.kv_transfer_timeout)
+        sockets.append(_bind(options.host, options.disaggregation_bootstrap_port))
+    return _event_loop_run(_run(state, options, sockets, time.monotonic() - started))
 
 
 def _event_loop_run(main) -> int:
@@ -184,7 +189,7 @@ def _event_loop_run(main) -> int:
     return uvloop.run(main)
 
 
-async def _run(state: ServerState, options: ServeOptions, sock: socket.socket, load_seconds: float) -> int:
+async def _run(state: ServerState, options: ServeOptions, sockets: list[socket.socket], load_seconds: float) -> int:
     from .app import build_app
 
     failed: list[str] = []
@@ -208,7 +213,7 @@ async def _run(state: ServerState, options: ServeOptions, sock: socket.socket, l
     state.engine.start()
     ready = asyncio.create_task(_announce(server, state, options, load_seconds))
     try:
-        await server.serve(sockets=[sock])
+        await server.serve(sockets=sockets)
     finally:
         ready.cancel()
         await state.engine.stop()

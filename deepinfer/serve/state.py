@@ -12,6 +12,7 @@ from ..chat import ChatFormat
 from ..sampling_params import InvalidRequestError
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
+from .bootstrap import Rooms, fetch_room_params
 from .protocol import SamplingFields
 
 
@@ -41,10 +42,13 @@ class ServerState:
     draining: bool = False
     #: ``both`` (colocated), ``prefill`` or ``decode`` (disaggregated serving)
     disaggregation_mode: str = "both"
+    #: a prefill server's bootstrap rooms (SGLang's router)
+    rooms: Rooms | None = None
 
-    def transfer(self, body: SamplingFields, n_prompts: int) -> tuple[bool, dict[str, Any] | None]:
+    async def transfer(self, body: SamplingFields, n_prompts: int) -> tuple[bool, dict[str, Any] | None]:
         """This server's part of a disaggregated request: (hold and publish its state: a prefill server,
-        the prefill server's parameters to fetch it with: a decode server)."""
+        the prefill server's parameters to fetch it with: a decode server). A decode request carries them
+        (vLLM's router) or names the bootstrap room where the prefill server posts them (SGLang's)."""
         mode = self.disaggregation_mode
         if mode == "both":
             return False, None
@@ -52,12 +56,9 @@ class ServerState:
             raise InvalidRequestError(f"a {mode} server takes one prompt with n=1 per request", "n" if body.n != 1 else "prompt")
         if mode == "prefill":
             return True, None
-        if body.kv_transfer_params is None:
-            raise InvalidRequestError(
-                "this is a decode server: send requests through a prefill/decode router, which adds the prefill server's "
-                "kv_transfer_params", "kv_transfer_params",
-            )
-        return False, body.kv_transfer_params
+        if body.kv_transfer_params is not None and "location" in body.kv_transfer_params:
+            return False, body.kv_transfer_params
+        return False, await fetch_room_params(body)
 
     def model_name(self, requested: str | None) -> str:
         """The name a response carries; an unknown requested name is a 404."""
