@@ -420,12 +420,14 @@ class ModelRunner:
             self.proposer.flush()
         return read_sequence(self.cache, self.proposer.ring if self.proposer is not None else None, slot, blocks, num_tokens)
 
+    @torch.inference_mode()
     def install_sequence(self, slot: int, blocks: list[int], state: SequenceState) -> None:
         """Install another engine's sequence state into ``slot`` and ``blocks`` (device thread, before its step)."""
         if self.proposer is not None:
             self.proposer.flush()
         write_sequence(self.cache, self.proposer.ring if self.proposer is not None else None, slot, blocks, state)
 
+    @torch.inference_mode()
     def execute_idle(self) -> None:
         """A step with nothing to compute on this rank: under expert parallelism it still serves the
         other ranks' tokens routed to its experts, in every layer."""
