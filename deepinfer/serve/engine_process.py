@@ -255,7 +255,8 @@ class _EngineLoop:
 
     def _add(self, msg: Add, prefilled: PrefilledRequest | None = None) -> None:
         engine = self.engine
-        req = engine.add_request(msg.prompt, msg.params, request_id=msg.request_id, hold_kv=msg.hold_kv, prefilled=prefilled)
+        roles = {"hold_kv": True} if msg.hold_kv else {"prefilled": prefilled} if prefilled is not None else {}
+        req = engine.add_request(msg.prompt, msg.params, request_id=msg.request_id, **roles)  # the colocated call any engine takes
         out = engine.output(req) if req.all_finished else None  # refused on arrival (or done by its first token)
         self.conn.send(Admitted(msg.request_id, out.error if out is not None else None))
         if out is not None:
