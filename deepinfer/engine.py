@@ -65,6 +65,21 @@ def text_prompt(prompt: Any) -> str | list[int]:
     raise InvalidRequestError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}; pass a str or list[int]")
 
 
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_model_len: int, param: str | None = None) -> None:
+    """Refuse an empty prompt, token ids outside the vocabulary, or a prompt the context cannot hold (``param``:
+    the request field a server names)."""
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty; give at least one token", param)
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size}); fix the token ids", param)
+    if len(prompt_ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}; "
+            "shorten the prompt or raise max_model_len", param,
+        )
+
+
 def replay_length(config: ModelConfig, mode: str) -> int:
     """Tokens recomputed before a prefix hit to rebuild the state that is not cached.
 
@@ -197,16 +212,7 @@ class Engine:
     # ----- requests -----
 
     def _validate(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); fix the token ids")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}; "
-                "shorten the prompt or raise max_model_len"
-            )
+        check_prompt_ids(prompt_ids, self.vocab_size, self.max_model_len)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None,

@@ -227,7 +227,7 @@ def test_prompt_longer_than_the_context(server):
     limit = httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["max_model_len"]
     with healthy_stream(server.url):
         r = post(server.url, "/v1/completions", json=completion(prompt=[5] * limit, max_tokens=1))
-        assert_error(r, 400, "invalid_request_error", "prompt", f"context length is {limit}")
+        assert_error(r, 400, "invalid_request_error", "prompt", f"max_model_len is {limit}")
         r = post(server.url, "/v1/completions", json=completion(prompt="hello world " * limit))
         assert_error(r, 400, "invalid_request_error", "prompt")
         r = post(server.url, "/v1/chat/completions", json=chat(messages=[{"role": "user", "content": "hello world " * limit}]))

@@ -26,6 +26,7 @@ parameters complete so far) and the text from where parsing stopped is content.
 from __future__ import annotations
 
 import enum
+from abc import ABC, abstractmethod
 import json
 import re
 import secrets
@@ -89,7 +90,7 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-class _Block:
+class _Block(ABC):
     """One tool-call block, parsed from just after its opening marker as text arrives.
 
     ``feed`` returns the call deltas it can; the block then is ``closed`` (``rest``
@@ -114,8 +115,9 @@ class _Block:
         self.failed = True
         return []
 
+    @abstractmethod
     def _parse(self) -> list[ToolCallDelta]:
-        raise NotImplementedError
+        """The call deltas the buffered text completes (each format parses its own markup)."""
 
 
 _DSML_BLOCK_END = f"</{DSML}tool_calls>"

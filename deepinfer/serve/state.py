@@ -9,6 +9,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from ..chat import ChatFormat
+from ..engine import check_prompt_ids
 from ..sampling_params import InvalidRequestError
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
@@ -69,14 +70,5 @@ class ServerState:
         )
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
-        """Refuse an empty prompt, token ids outside the vocabulary, or a prompt the context cannot hold."""
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty; give at least one token", param)
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size}); fix the token ids", param)
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens but this model's context length is {self.max_model_len}; "
-                "shorten the prompt", param,
-            )
+        """Refuse what the engine would (before the request reaches it), naming the field."""
+        check_prompt_ids(token_ids, self.vocab_size, self.max_model_len, param)
