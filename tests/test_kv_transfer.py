@@ -115,3 +115,29 @@ def test_installed_state_reads_back_the_same(engines):
         assert (back.draft.ctx_positions[order(back.draft.ctx_positions)] == state.draft.ctx_positions[order(state.draft.ctx_positions)]).all()
         assert back.draft.ctx[order(back.draft.ctx_positions)].equal(state.draft.ctx[order(state.draft.ctx_positions)])
         assert back.draft.kv[:, order(back.draft.kv_positions)].equal(state.draft.kv[:, order(state.draft.kv_positions)])
+
+
+@pytest.mark.slow
+def test_a_state_crosses_expert_parallel_degrees():
+    """Prefill on an EP 2 group (the rank that ran it exports its state with its last report), decode on an EP 2
+    group: the colocated single engine's tokens, and no prompt token computed on the decode side."""
+    colocated = LLM(backend="cpu")
+    ids = colocated.get_tokenizer().encode(PROMPTS[1]).ids
+    expected = colocated.generate([ids], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    prefill = LLM(backend="cpu", expert_parallel_size=2)
+    try:
+        first = _run(prefill.engine, ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), hold_kv=True)
+        handed = prefill.engine.export_prefilled(first.request_id)
+        prefill.engine.release_prefilled(first.request_id)
+        with pytest.raises(DeepInferError, match="holds no cache to export"):
+            prefill.engine.export_prefilled(first.request_id)
+    finally:
+        prefill.engine.close()
+    assert handed.output_token_ids == expected.token_ids[:1] and handed.state.num_tokens == len(ids)
+    decode = LLM(backend="cpu", expert_parallel_size=2)
+    try:
+        got = _run(decode.engine, ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), prefilled=handed)
+        assert decode.engine.output(got).outputs[0].token_ids == expected.token_ids
+        assert decode.engine.get_metrics()["prefill_tokens"] == 0
+    finally:
+        decode.engine.close()

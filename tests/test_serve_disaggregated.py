@@ -35,49 +35,89 @@ def colocated():
         yield srv
 
 
-def _pd_router(prefill: str, decode: str, log):
+@pytest.fixture(scope="module")
+def pd_pair():
+    """A prefill server at EP 1 (its bootstrap port open for SGLang's router) and a decode server at EP 2 that
+    verifies every drafted token (speculation crosses the split), over the default connector (Mooncake)."""
+    boot = free_port()
+    with running_server(["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)]) as prefill, \
+            running_server(["--disaggregation-mode", "decode", "--ep", "2", "--speculative-policy", "all"]) as decode:
+        yield prefill, boot, decode
+
+
+def _router(args: list[str], log_path) -> tuple[subprocess.Popen, str]:
+    """A router on a free port, once it routes a completion."""
     port = free_port()
-    proc = subprocess.Popen([router_binary(), "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode, "--port", str(port),
-                             "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "NO_COLOR": "1"})
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*args, "--port", str(port), "--prometheus-port", str(free_port())], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "NO_COLOR": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, "the router exited"
-        try:
-            if httpx.post(url + "/v1/completions", json={**BODY, "prompt": "x", "max_tokens": 2}, timeout=30).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the router never routed"
-        time.sleep(1)
+    try:
+        while True:
+            assert proc.poll() is None, "the router exited"
+            try:
+                if httpx.post(url + "/v1/completions", json={**BODY, "prompt": "x", "max_tokens": 2}, timeout=60).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the router never routed"
+            time.sleep(1)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        raise
 
 
-def test_vllm_router_pd_mode_gives_the_colocated_outputs(colocated, tmp_path):
-    with running_server(["--disaggregation-mode", "prefill"]) as prefill, running_server(["--disaggregation-mode", "decode"]) as decode:
-        with open(tmp_path / "router.log", "wb") as log:
-            proc, url = _pd_router(prefill.url, decode.url, log)
-        try:
-            computed = _metric(decode.url, "prefill_tokens_computed_total")
-            for prompt in PROMPTS:
-                expected = httpx.post(colocated.url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120).json()
-                got = httpx.post(url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120)
-                assert got.status_code == 200, got.text
-                assert got.json()["choices"][0]["text"] == expected["choices"][0]["text"]
-            chat = {**BODY, "messages": [{"role": "user", "content": "Write a haiku about tea."}], "max_tokens": 16}
-            expected = httpx.post(colocated.url + "/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]["message"]["content"]
-            streamed = ""
-            with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        for c in json.loads(line[6:])["choices"]:
-                            streamed += c["delta"].get("content") or ""
-            assert streamed == expected
-            assert _metric(decode.url, "prefill_tokens_computed_total") == computed  # the decode server computed no prompt
-            assert _metric(decode.url, "kv_transfers_total") >= 3 and _metric(decode.url, "kv_transfer_bytes_total") > 0
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+def _streamed_chat(url: str, chat: dict) -> str:
+    text = ""
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    text += c["delta"].get("content") or ""
+    return text
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+
+
+def _check_split(url: str, colocated_url: str, decode_url: str) -> None:
+    """Through the router: greedy completions, a streamed chat and a schema-constrained chat equal the colocated
+    server's; the decode server computed no prompt token and verified drafted tokens."""
+    computed = _metric(decode_url, "prefill_tokens_computed_total")
+    drafted = _metric(decode_url, "spec_decode_num_draft_tokens_total")
+    for prompt in PROMPTS:
+        expected = httpx.post(colocated_url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120).json()
+        got = httpx.post(url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+    chat = {**BODY, "messages": [{"role": "user", "content": "Write a haiku about tea."}], "max_tokens": 16}
+    expected = httpx.post(colocated_url + "/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]["message"]["content"]
+    assert _streamed_chat(url, chat) == expected
+    shaped = {**chat, "ignore_eos": False, "max_tokens": 48,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}}
+    expected = httpx.post(colocated_url + "/v1/chat/completions", json=shaped, timeout=120).json()["choices"][0]["message"]["content"]
+    got = httpx.post(url + "/v1/chat/completions", json=shaped, timeout=120)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"]["content"] == expected
+    assert expected.startswith('{"name"')  # the grammar held (the tiny model's JSON may run past max_tokens)
+    assert _metric(decode_url, "prefill_tokens_computed_total") == computed  # the decode server computed no prompt
+    assert _metric(decode_url, "spec_decode_num_draft_tokens_total") > drafted  # and drafted across the split
+    assert _metric(decode_url, "kv_transfers_total") >= 4 and _metric(decode_url, "kv_transfer_bytes_total") > 0
+
+
+def test_vllm_router_pd_mode_gives_the_colocated_outputs(colocated, pd_pair, tmp_path):
+    """vLLM's router: prefill gets max_tokens 1 and do_remote_decode, decode gets the prefill's kv_transfer_params."""
+    prefill, _, decode = pd_pair
+    proc, url = _router([router_binary(), "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url],
+                        tmp_path / "router.log")
+    try:
+        _check_split(url, colocated.url, decode.url)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 def _prefill_then_decode(prefill_url: str, decode_url: str, prompt: str, before_decode=None) -> httpx.Response:
@@ -124,35 +164,14 @@ def test_faults_fail_their_request_alone(tmp_path):
         assert _metric(decode.url, "kv_cache_usage_perc") == 0
 
 
-def test_sglang_router_pd_mode_meets_on_the_bootstrap_room(colocated, tmp_path):
+def test_sglang_router_pd_mode_meets_on_the_bootstrap_room(colocated, pd_pair, tmp_path):
     """SGLang's router sends each request to both servers with a bootstrap room; the decode server asks the prefill
     server's bootstrap port for the room's state."""
-    boot = free_port()
-    with running_server(["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)]) as prefill, \
-            running_server(["--disaggregation-mode", "decode"]) as decode:
-        port = free_port()
-        with open(tmp_path / "router.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill.url,
-                                     str(boot), "--decode", decode.url, "--port", str(port), "--prometheus-port", str(free_port())],
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "NO_COLOR": "1"})
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None, "the router exited"
-                try:
-                    if httpx.get(url + "/health", timeout=10).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, "the router never became healthy"
-                time.sleep(1)
-            for prompt in PROMPTS:
-                expected = httpx.post(colocated.url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120).json()
-                got = httpx.post(url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120)
-                assert got.status_code == 200, got.text
-                assert got.json()["choices"][0]["text"] == expected["choices"][0]["text"]
-            assert _metric(decode.url, "kv_transfers_total") >= 2
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    prefill, boot, decode = pd_pair
+    proc, url = _router([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill.url,
+                         str(boot), "--decode", decode.url], tmp_path / "router.log")
+    try:
+        _check_split(url, colocated.url, decode.url)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

@@ -21,15 +21,16 @@ from ..config import EngineConfig
 from ..engine import resolve_model_dir
 from ..errors import ConfigError, RankFailure
 from ..kv_store import store_line
+from ..kv_transfer.sequence_state import PrefilledRequest
 from ..loader import load_tokenizer, read_config
 from ..model.config import ModelConfig
 from ..outputs import RequestOutput
 from ..registry import select_backend
-from ..sampling_params import SamplingParams
+from ..sampling_params import InvalidRequestError, SamplingParams
 from ..stats import EngineLoad, spec_figures, spec_line
 from .launch import SpawnedGroup, spawn_ranks
 from .placement import ExpertPlacement
-from .protocol import Abort, AddRequest, Command, FlushCache, Metrics, RankReport, Shutdown, Tick
+from .protocol import Abort, AddRequest, Command, FlushCache, Metrics, PackedState, RankReport, Shutdown, Tick
 from .rank_server import RankServer
 
 #: signals that stop a process from outside (a kill, not a crash)
@@ -46,6 +47,8 @@ class RemoteRequest:
     rank: int
     latest: RequestOutput | None = None
     all_finished: bool = False
+    #: prefill role: its rank exports its state when it finishes
+    hold_kv: bool = False
 
 
 def check_ep(config: EngineConfig, model_config: ModelConfig, devices: int | None) -> None:
@@ -120,6 +123,8 @@ class ExpertParallelEngine:
         #: the longest context every rank serves (known from the ranks' first reports)
         self.max_model_len = self.model_config.max_position_embeddings
         self._queued: list[Command] = []
+        #: prefill role: states the ranks exported, until ``release_prefilled``
+        self._exported: dict[str, PackedState] = {}
         self._metrics: list[dict[str, Any]] | None = None
         self._server = server
         self._group: SpawnedGroup | None = None
@@ -145,15 +150,28 @@ class ExpertParallelEngine:
     # ----- requests -----
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None,
+        *, hold_kv: bool = False, prefilled: PrefilledRequest | None = None,
     ) -> RemoteRequest:
-        """Queue a prompt on the rank with the fewest outstanding tokens."""
+        """Queue a prompt on the rank with the fewest outstanding tokens (``hold_kv`` and ``prefilled`` as for
+        ``Engine.add_request``: the rank keeps or installs the prompt's state)."""
         rid = request_id or str(next(self._ids))
         rank = min(range(self.world), key=lambda r: (self._outstanding[r], r))
-        self._outstanding[rank] += self._cost(prompt, params)
-        req = self.requests[rid] = RemoteRequest(rid, rank)
-        self._queue(AddRequest(rank, rid, prompt, params))
+        self._outstanding[rank] += self._cost(prompt, params, prefilled is not None)
+        req = self.requests[rid] = RemoteRequest(rid, rank, hold_kv=hold_kv)
+        self._queue(AddRequest(rank, rid, prompt, params, hold_kv, PackedState.pack(prefilled) if prefilled is not None else None))
         return req
+
+    def export_prefilled(self, request_id: str) -> PrefilledRequest:
+        """The state of a finished ``hold_kv`` request, as its rank exported it with its last report."""
+        packed = self._exported.get(request_id)
+        if packed is None:
+            raise InvalidRequestError(f"request {request_id!r} holds no cache to export (unknown, running, or already released)")
+        return packed.unpack()
+
+    def release_prefilled(self, request_id: str) -> None:
+        """Forget an exported state (its rank freed the cache when it exported it)."""
+        self._exported.pop(request_id, None)
 
     def _queue(self, command: Command) -> None:
         """Hand spawned ranks a command at once (rank 0 takes it at its next tick); under torchrun it waits for ours."""
@@ -163,8 +181,9 @@ class ExpertParallelEngine:
             commands, self._queued = self._queued, []
             self._group.send(commands)
 
-    def _cost(self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None) -> int:
-        n_prompt = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt).ids)
+    def _cost(self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None, prefilled: bool = False) -> int:
+        """Tokens the request will cost its rank: its prompt (none when prefilled elsewhere) and its outputs."""
+        n_prompt = 0 if prefilled else len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt).ids)
         if isinstance(params, SamplingParams):
             return n_prompt + params.max_tokens * params.n
         p = dict(params or {})
@@ -220,6 +239,7 @@ class ExpertParallelEngine:
         for report in reports:
             self._outstanding[report.rank] = report.outstanding_tokens
             self._loads[report.rank] = report.load
+            self._exported.update(report.exported)
             if report.max_model_len:
                 self.max_model_len = min(self.max_model_len, report.max_model_len)
             for out in report.outputs:

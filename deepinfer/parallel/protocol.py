@@ -11,9 +11,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..kv_transfer import handoff
+from ..kv_transfer.sequence_state import PrefilledRequest
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..stats import EngineLoad
+
+
+@dataclass(frozen=True)
+class PackedState:
+    """A prefilled request as bytes: its tensors cross the front's pipe by value (a pipe would otherwise pass
+    them as shared-memory handles, which another process group cannot open)."""
+
+    payload: bytes
+    meta: handoff.Handoff
+
+    @classmethod
+    def pack(cls, prefilled: PrefilledRequest) -> "PackedState":
+        return cls(*handoff.encode(prefilled))
+
+    def unpack(self) -> PrefilledRequest:
+        return handoff.decode(self.payload, self.meta)
 
 
 @dataclass(frozen=True)
@@ -22,6 +40,10 @@ class AddRequest:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams | dict[str, Any] | None
+    #: prefill role: keep its cache when it finishes; the rank exports its state into its last report
+    hold_kv: bool = False
+    #: decode role: its prompt's state, computed by a prefill server
+    prefilled: PackedState | None = None
 
 
 @dataclass(frozen=True)
@@ -76,3 +98,5 @@ class RankReport:
     max_model_len: int = 0
     #: the rank stepped (ran a forward) this tick
     stepped: bool = False
+    #: prefill role: the state of each ``hold_kv`` request that finished this tick (its cache already freed)
+    exported: dict[str, PackedState] = field(default_factory=dict)

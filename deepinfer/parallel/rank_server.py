@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ..engine import Engine
+from ..errors import DeepInferError
 from ..request import Request
-from .protocol import Abort, AddRequest, Command, FlushCache, Metrics, RankReport, Shutdown, Tick
+from .protocol import Abort, AddRequest, Command, FlushCache, Metrics, PackedState, RankReport, Shutdown, Tick
 
 
 def control_group(timeout_s: float) -> "dist.ProcessGroup":
@@ -71,7 +72,8 @@ class RankServer:
 
     def _apply(self, cmd: Command) -> Request | None:
         if isinstance(cmd, AddRequest):
-            return self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+            roles = {"hold_kv": True} if cmd.hold_kv else {"prefilled": cmd.prefilled.unpack()} if cmd.prefilled is not None else {}
+            return self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, **roles)
         if isinstance(cmd, Abort):
             self.engine.abort(cmd.request_id)
             return self.engine.requests.get(cmd.request_id)
@@ -80,9 +82,15 @@ class RankServer:
     def _report(self, changed: dict[str, Request], stepped: bool, metrics: bool) -> RankReport:
         report = RankReport(self.rank, stepped=stepped)
         for rid, req in changed.items():
-            report.outputs.append(self.engine.output(req))
+            out = self.engine.output(req)
+            report.outputs.append(out)
             if req.all_finished:
                 report.finished.append(rid)
+                if req.hold_kv and out.error is None:
+                    try:
+                        report.exported[rid] = self._export(rid)
+                    except DeepInferError as exc:  # the request fails, the rank goes on
+                        out.error = f"exporting the KV state failed: {exc}"
         self.engine.release(report.finished)
         report.outstanding_tokens = sum(_outstanding(r) for r in self.engine.requests.values())
         report.load = self.engine.load()
@@ -90,6 +98,13 @@ class RankServer:
         if metrics:
             report.metrics = self.engine.get_metrics()
         return report
+
+    def _export(self, request_id: str) -> PackedState:
+        """A finished prefill request's state, off the device; its cache is freed at once."""
+        try:
+            return PackedState.pack(self.engine.export_prefilled(request_id))
+        finally:
+            self.engine.release_prefilled(request_id)
 
     def close(self) -> None:
         """Stop the engine (its executor, its store writes) and leave the process groups."""

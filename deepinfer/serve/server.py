@@ -121,8 +121,6 @@ def _transfer(config: EngineConfig, options: ServeOptions) -> TransferSettings |
     """The connector of a prefill or decode server (None: colocated)."""
     if options.disaggregation_mode == "both":
         return None
-    if config.expert_parallel_size > 1:
-        raise ConfigError(f"--disaggregation-mode {options.disaggregation_mode} runs one engine per server for now; drop --ep")
     host = options.host if options.host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname())
     return TransferSettings(options.kv_connector, {"host": host, "directory": config.kv_store}, options.kv_transfer_timeout)
 
