@@ -179,6 +179,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser, access_log=args.access_log,
         disaggregation_mode=args.disaggregation_mode, kv_connector=args.kv_connector,
         disaggregation_bootstrap_port=args.disaggregation_bootstrap_port, kv_transfer_timeout=args.kv_transfer_timeout,
+        kv_load_failure_policy=args.kv_load_failure_policy,
     )
     return serve(config, options)
 
@@ -302,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-connector", default="mooncake", help="how prefill and decode servers move KV state: mooncake (default) or store (through --kv-store DIR)")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998, help="prefill server: where decode servers meet it (SGLang's router)")
     p.add_argument("--kv-transfer-timeout", type=float, default=60.0, help="prefill server: seconds a handed-over KV state waits for its decode server")
+    p.add_argument("--kv-load-failure-policy", default="fail", choices=["fail", "recompute"],
+                   help="decode server, when a KV transfer fails: fail the request (default) or compute its prompt here")
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_serve)
 

@@ -175,3 +175,22 @@ def test_sglang_router_pd_mode_meets_on_the_bootstrap_room(colocated, pd_pair, t
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def test_recompute_policy_prefills_a_failed_transfer_on_the_decode_side(colocated, tmp_path):
+    """``--kv-load-failure-policy recompute``: a state that expired, or a bootstrap port nobody answers, costs the
+    decode server the prompt instead of failing the request; the output is still the colocated one."""
+    shared = ["--kv-connector", "store", "--kv-store", str(tmp_path / "shared")]
+    with running_server(["--disaggregation-mode", "prefill", "--kv-transfer-timeout", "1", *shared]) as prefill, \
+            running_server(["--disaggregation-mode", "decode", "--kv-load-failure-policy", "recompute", *shared]) as decode:
+        expected = httpx.post(colocated.url + "/v1/completions", json={**BODY, "prompt": PROMPTS[1]}, timeout=120).json()
+        computed = _metric(decode.url, "prefill_tokens_computed_total")
+        late = _prefill_then_decode(prefill.url, decode.url, PROMPTS[1], before_decode=lambda: time.sleep(4))
+        assert late.status_code == 200, late.text
+        assert late.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+        assert _metric(decode.url, "kv_transfers_recomputed_total") == 1
+        assert _metric(decode.url, "prefill_tokens_computed_total") > computed
+        orphan = httpx.post(decode.url + "/v1/completions", json={
+            **BODY, "prompt": PROMPTS[1], "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 7}, timeout=120)
+        assert orphan.status_code == 200, orphan.text
+        assert orphan.json()["choices"][0]["text"] == expected["choices"][0]["text"]

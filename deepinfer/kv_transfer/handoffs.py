@@ -34,6 +34,7 @@ class TransferStats:
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
     kv_transfers_expired: int = 0
+    kv_transfers_recomputed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -27,6 +27,8 @@ from ..outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from ..sampling_params import SamplingParams
 from ..stats import EngineLoad
 
+log = logging.getLogger("deepinfer")
+
 #: seconds the idle engine waits for a message before checking its health again
 IDLE_POLL_S = 0.5
 
@@ -185,10 +187,11 @@ def apply_delta(out: RequestOutput | None, delta: OutputDelta) -> RequestOutput:
 class _EngineLoop:
     """The engine process's loop: messages in between steps, deltas out after each."""
 
-    def __init__(self, engine: Any, conn: Connection, handoffs: Handoffs | None = None) -> None:
+    def __init__(self, engine: Any, conn: Connection, handoffs: Handoffs | None = None, recompute: bool = False) -> None:
         self.engine = engine
         self.conn = conn
         self.handoffs = handoffs
+        self.recompute = recompute
         self.sent: dict[str, _Sent] = {}
         self.stopping = False
         self.last_load = EngineLoad()
@@ -235,7 +238,11 @@ class _EngineLoop:
             msg = self.fetching.pop(request_id, None)
             if msg is None:  # aborted while its state was on the way
                 continue
-            if failure is not None:
+            if failure is not None and self.recompute:
+                log.warning("%s; computing the prompt here (--kv-load-failure-policy recompute)", failure)
+                self.handoffs.stats.kv_transfers_recomputed += 1
+                self._add(msg)
+            elif failure is not None:
                 self.conn.send(Admitted(request_id, None))
                 self.conn.send(StepOutputs([OutputDelta(request_id, [], True, failure, server_error=True)], self.engine.load()))
             else:
@@ -318,6 +325,8 @@ class TransferSettings:
     connector: str
     options: dict[str, Any]
     timeout_s: float
+    #: decode role: a failed fetch computes the prompt here instead of failing the request
+    recompute: bool = False
 
 
 def _handoffs(transfer: TransferSettings | None) -> Handoffs | None:
@@ -341,7 +350,6 @@ def run_engine_process(config_json: str, conn: Connection, verbose: bool, transf
     from ..config import EngineConfig
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server drains and stops us
-    log = logging.getLogger("deepinfer")
     if verbose:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("deepinfer: %(message)s"))
@@ -361,7 +369,7 @@ def run_engine_process(config_json: str, conn: Connection, verbose: bool, transf
         backend = getattr(engine, "backend", None)
         conn.send(EngineInfo(engine.max_model_len, engine.model_config.vocab_size, engine.model_config.model_type,
                              backend.name if backend is not None else engine.config.backend))
-        loop = _EngineLoop(engine, conn, handoffs)
+        loop = _EngineLoop(engine, conn, handoffs, transfer is not None and transfer.recompute)
         loop.run()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes one line for the server
         if not isinstance(exc, (DeepInferError, KeyboardInterrupt)):

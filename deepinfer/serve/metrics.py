@@ -39,7 +39,8 @@ _COUNTERS = {
     "kv_transfers": ("kv_transfers", "Prompt states fetched from a prefill server (decode role)"),
     "kv_transfer_bytes": ("kv_transfer_bytes", "Bytes of prompt state fetched from prefill servers"),
     "kv_transfer_seconds": ("kv_transfer_seconds", "Seconds spent fetching prompt state"),
-    "kv_transfer_failures": ("kv_transfer_failures", "Fetches of prompt state that failed (the request failed with them)"),
+    "kv_transfer_failures": ("kv_transfer_failures", "Fetches of prompt state that failed (the request failed, or was recomputed here)"),
+    "kv_transfers_recomputed": ("kv_transfers_recomputed", "Requests whose fetch failed and whose prompt was computed here instead"),
     "kv_transfers_expired": ("kv_transfers_expired", "Published prompt states no decode server fetched in time (prefill role)"),
 }
 

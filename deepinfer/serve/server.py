@@ -67,6 +67,8 @@ class ServeOptions:
     disaggregation_bootstrap_port: int = 8998
     #: seconds a prefill server keeps a published state no decode server fetched
     kv_transfer_timeout: float = 60.0
+    #: decode server, when a transfer fails: ``fail`` the request, or ``recompute`` its prompt here
+    kv_load_failure_policy: str = "fail"
 
 
 class _Server(uvicorn.Server):
@@ -122,7 +124,8 @@ def _transfer(config: EngineConfig, options: ServeOptions) -> TransferSettings |
     if options.disaggregation_mode == "both":
         return None
     host = options.host if options.host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname())
-    return TransferSettings(options.kv_connector, {"host": host, "directory": config.kv_store}, options.kv_transfer_timeout)
+    return TransferSettings(options.kv_connector, {"host": host, "directory": config.kv_store}, options.kv_transfer_timeout,
+                            recompute=options.kv_load_failure_policy == "recompute")
 
 
 def _default_name(config: EngineConfig) -> str:
@@ -170,6 +173,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         engine=engine, tokenizer=tokenizer, model_names=names, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         metrics=ServerMetrics(names[0]), chat_format=fmt, chat_format_error=fmt_error, reasoning_parser=options.reasoning_parser,
         tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=facts, disaggregation_mode=options.disaggregation_mode,
+        recompute_failed_transfers=options.kv_load_failure_policy == "recompute",
     )
     sockets = [sock]
     if options.disaggregation_mode == "prefill":  # SGLang's router sends decode servers here to find each room's state

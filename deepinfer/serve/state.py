@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,8 +14,10 @@ from ..engine import check_prompt_ids
 from ..sampling_params import InvalidRequestError
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
-from .bootstrap import Rooms, fetch_room_params
+from .bootstrap import Rooms, RoomUnavailable, fetch_room_params
 from .protocol import SamplingFields
+
+log = logging.getLogger("deepinfer")
 
 
 class ModelNotFound(InvalidRequestError):
@@ -45,6 +48,8 @@ class ServerState:
     disaggregation_mode: str = "both"
     #: a prefill server's bootstrap rooms (SGLang's router)
     rooms: Rooms | None = None
+    #: decode role: a request whose prefill server cannot be reached computes its prompt here instead of failing
+    recompute_failed_transfers: bool = False
 
     async def transfer(self, body: SamplingFields, n_prompts: int) -> tuple[bool, dict[str, Any] | None]:
         """This server's part of a disaggregated request: (hold and publish its state: a prefill server,
@@ -59,7 +64,13 @@ class ServerState:
             return True, None
         if body.kv_transfer_params is not None and "location" in body.kv_transfer_params:
             return False, body.kv_transfer_params
-        return False, await fetch_room_params(body)
+        try:
+            return False, await fetch_room_params(body)
+        except RoomUnavailable as exc:
+            if not self.recompute_failed_transfers:
+                raise
+            log.warning("%s; computing the prompt here (--kv-load-failure-policy recompute)", exc)
+            return False, None
 
     def model_name(self, requested: str | None) -> str:
         """The name a response carries; an unknown requested name is a 404."""
