@@ -141,3 +141,27 @@ def test_a_state_crosses_expert_parallel_degrees():
         assert decode.engine.get_metrics()["prefill_tokens"] == 0
     finally:
         decode.engine.close()
+
+
+@pytest.mark.parametrize("spec", ["dspark", None], ids=["speculative", "plain"])
+def test_v41_state_crosses_engines(tmp_path, spec):
+    """V4.1: shared compressed pools, ratio-1/2 compressor rings, the Engram token history and its draft's context
+    carry over; only the positions a step reads again travel (the prefill side's step margin does not)."""
+    from tests.helpers.tiny_v41_draft import write_tiny_v41_draft
+
+    ckpt = str(write_tiny_v41_draft(tmp_path / "tiny"))
+    colocated = LLM(model=ckpt, backend="cpu", speculative_method=spec)
+    prefill = LLM(model=ckpt, backend="cpu", speculative_method=spec, max_prefill_chunk=24)
+    decode = LLM(model=ckpt, backend="cpu", speculative_method=spec, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for ids in ([(37 * i + 11) % 4000 + 5 for i in range(61)], [5, 6, 7]):
+        expected = colocated.generate([ids], params)[0].outputs[0]
+        first = _run(prefill.engine, ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), hold_kv=True)
+        handed = prefill.engine.export_prefilled(first.request_id)
+        prefill.engine.release_prefilled(first.request_id)
+        prefill.engine.release([first.request_id])
+        geometry = prefill.engine.runner.cache.geometry
+        assert all(len(rows.positions) <= geometry.sliding_window - 1 for rows in handed.state.window)
+        got = _run(decode.engine, ids, params, prefilled=handed)
+        assert decode.engine.output(got).outputs[0].token_ids == expected.token_ids
+        decode.engine.release([got.request_id])

@@ -75,7 +75,8 @@ class PrefilledRequest:
 
 
 def _live(n: int, rows: int) -> np.ndarray:
-    """The positions a ring of ``rows`` rows still holds after positions ``[0, n)`` were written."""
+    """The last ``rows`` positions of ``[0, n)``: those a sequence carries into its next step (a ring holds
+    more, room for one step's tokens, which the next step overwrites before it reads them)."""
     return np.arange(max(0, n - rows), n, dtype=np.int64)
 
 
@@ -102,13 +103,13 @@ def read_sequence(cache: ModelCache, ring: DSparkRing | None, slot: int, blocks:
     g = cache.geometry
     used = blocks[: -(-num_tokens // cache.block_size)]
     slots = lambda positions: np.full(len(positions), slot, dtype=np.int64)  # noqa: E731
-    window_pos = _live(num_tokens, cache.window_rows)
+    window_pos = _live(num_tokens, min(cache.window_rows, g.sliding_window - 1))
     window = [_read(cache.kv_pool(i), cache.window_base[i], cache.window_rows_of(slots(window_pos), window_pos), window_pos)
               for i in range(len(g.layer_types))]
     states: list[dict[str, tuple[RingRows, RingRows]]] = []
     for i, lt in enumerate(g.layer_types):
         spec = g.specs[lt]
-        pos = _live(num_tokens, spec.state_rows)
+        pos = _live(num_tokens, min(spec.state_rows, spec.state_keep))
         rows = cache.state_rows_of(spec, slots(pos), pos)
         branches = {}
         for branch in ("compressor", "indexer"):
@@ -118,7 +119,7 @@ def read_sequence(cache: ModelCache, ring: DSparkRing | None, slot: int, blocks:
         states.append(branches)
     history = None
     if g.history_rows:
-        pos = _live(num_tokens, g.history_rows)
+        pos = _live(num_tokens, min(g.history_rows, g.history_window - 1))
         history = _read(cache.history.view(-1, 1), 0, cache.history_rows_of(slots(pos), pos), pos)
     return SequenceState(num_tokens, cache.read_blocks(used), window, states, history, _read_draft(ring, slot, num_tokens))
 

@@ -54,6 +54,8 @@ class LayerCacheSpec:
     entries_per_block: int
     #: the kind whose compressed entries these layers read: their own kind, a V4.1 source's, or None (sliding)
     entry_kind: str | None = None
+    #: compressor-ring positions a sequence carries from one step to the next (the rest is room for a step's tokens)
+    state_keep: int = 0
 
     @property
     def compressed(self) -> bool:
@@ -147,6 +149,7 @@ class CacheGeometry:
                 index_state_width=2 * config.index_head_dim if lt == CSA else 0,
                 entries_per_block=block_size // m if m else 0,
                 entry_kind=lt if m else None,
+                state_keep=overlap * m - 1 if m else 0,
             )
         return cls(block_size, step, max_len, w, specs, tuple(config.layer_types))
 
@@ -230,6 +233,7 @@ def _build_v41(config: ModelConfig, block_size: int, step: int, max_len: int) ->
                 index_state_width=0,
                 entries_per_block=block_size // m if layer.owns_kv else 0,
                 entry_kind=source,
+                state_keep=m - 1 if layer.owns_kv and state else 0,
             ))
             pools.append((owner, members.get(owner, 0)))
             members[owner] = members.get(owner, 0) + 1
