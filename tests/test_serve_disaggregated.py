@@ -5,18 +5,14 @@ that cannot be made fails its request alone."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 from tests.helpers.servers import free_port, running_server
-from tests.test_serve_routers import router_binary
+from tests.helpers.routers import routing, sglang_router_command, vllm_router_command
 
 pytestmark = pytest.mark.slow
 
@@ -43,30 +39,6 @@ def pd_pair():
     with running_server(["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)]) as prefill, \
             running_server(["--disaggregation-mode", "decode", "--ep", "2", "--speculative-policy", "all"]) as decode:
         yield prefill, boot, decode
-
-
-def _router(args: list[str], log_path) -> tuple[subprocess.Popen, str]:
-    """A router on a free port, once it routes a completion."""
-    port = free_port()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*args, "--port", str(port), "--prometheus-port", str(free_port())], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "NO_COLOR": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            assert proc.poll() is None, "the router exited"
-            try:
-                if httpx.post(url + "/v1/completions", json={**BODY, "prompt": "x", "max_tokens": 2}, timeout=60).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the router never routed"
-            time.sleep(1)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        raise
 
 
 def _streamed_chat(url: str, chat: dict) -> str:
@@ -111,13 +83,9 @@ def _check_split(url: str, colocated_url: str, decode_url: str) -> None:
 def test_vllm_router_pd_mode_gives_the_colocated_outputs(colocated, pd_pair, tmp_path):
     """vLLM's router: prefill gets max_tokens 1 and do_remote_decode, decode gets the prefill's kv_transfer_params."""
     prefill, _, decode = pd_pair
-    proc, url = _router([router_binary(), "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url],
-                        tmp_path / "router.log")
-    try:
+    with routing([*vllm_router_command(), "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url],
+                 tmp_path / "router.log") as url:
         _check_split(url, colocated.url, decode.url)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
 
 
 def _prefill_then_decode(prefill_url: str, decode_url: str, prompt: str, before_decode=None) -> httpx.Response:
@@ -168,13 +136,9 @@ def test_sglang_router_pd_mode_meets_on_the_bootstrap_room(colocated, pd_pair, t
     """SGLang's router sends each request to both servers with a bootstrap room; the decode server asks the prefill
     server's bootstrap port for the room's state."""
     prefill, boot, decode = pd_pair
-    proc, url = _router([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill.url,
-                         str(boot), "--decode", decode.url], tmp_path / "router.log")
-    try:
+    with routing([*sglang_router_command(), "--pd-disaggregation", "--prefill", prefill.url, str(boot), "--decode", decode.url],
+                 tmp_path / "router.log") as url:
         _check_split(url, colocated.url, decode.url)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
 
 
 def test_recompute_policy_prefills_a_failed_transfer_on_the_decode_side(colocated, tmp_path):

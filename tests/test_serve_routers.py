@@ -3,68 +3,18 @@ unchanged: they register the workers, route completions and streams, and spread 
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.helpers.servers import free_port, running_server
+from tests.helpers.routers import router
+from tests.helpers.servers import running_server
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "def read_file(path):"
-
-
-def router_binary() -> str:
-    """vLLM's router, from this environment."""
-    return shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
-
-
-def _router_command(kind: str, workers: list[str], port: int, policy: str) -> list[str]:
-    if kind == "vllm":
-        return [router_binary(), "--worker-urls", *workers, "--port", str(port), "--policy", policy,
-                "--prometheus-port", str(free_port()), "--worker-startup-timeout-secs", "120"]
-    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers, "--port", str(port),
-            "--policy", policy, "--prometheus-port", str(free_port()), "--worker-startup-timeout-secs", "120"]
-
-
-@contextmanager
-def router(kind: str, workers: list[str], policy: str, log: Path):
-    """A router process on a free port, ready to route (it answers a completion); always stopped."""
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(_router_command(kind, workers, port, policy), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "NO_COLOR": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"the {kind} router exited: {log.read_text(errors='replace')[-2000:]}"
-            try:
-                r = httpx.post(url + "/v1/completions", json={"model": "tiny-v4", "prompt": "x", "max_tokens": 1}, timeout=30)
-                if r.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"the {kind} router never routed: {log.read_text(errors='replace')[-2000:]}"
-            time.sleep(1)
-        yield url
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
 
 
 def _generated(url: str) -> float:

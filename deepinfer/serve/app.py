@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..chat import format_chat
 from ..errors import ChatFormatError, DeepInferError
 from ..sampling_params import InvalidRequestError
-from . import chat, completions
+from . import chat, completions, render
 from .async_engine import EngineDeadError
 from .bootstrap import ROOM_WAIT_S
 from .errors import RETRY_AFTER_S, error_for
@@ -137,6 +137,16 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         refuse_when_draining()
         return await chat.create_chat_completion(body, state, request)
+
+    @app.post("/v1/completions/render")
+    async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
+        """The prompts' token ids (vLLM's router routes by them)."""
+        return render.render_completion(body, state)
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_completion(body: ChatCompletionRequest) -> dict[str, Any]:
+        """The conversation's token ids in the chat format (vLLM's router routes by them)."""
+        return render.render_chat(body, state)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

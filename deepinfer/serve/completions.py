@@ -23,7 +23,7 @@ from .streaming import DONE, admit, check_output, final_outputs, merged, release
 DEFAULT_MAX_TOKENS = 16
 
 
-def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
+def tokenized_prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
     """Each prompt's text (None for token ids) and token ids, checked."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
@@ -47,7 +47,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
         raise InvalidRequestError("suffix is not supported (the model has no fill-in-the-middle format)", "suffix")
     if body.logprobs is not None and not 0 <= body.logprobs <= 20:
         raise InvalidRequestError(f"logprobs must be between 0 and 20, got {body.logprobs}", "logprobs")
-    prompts = _prompts(state, body.prompt)
+    prompts = tokenized_prompts(state, body.prompt)
     hold_kv, transfer = await state.transfer(body, len(prompts))
     engine = state.engine
     base = f"cmpl-{uuid.uuid4().hex}"
