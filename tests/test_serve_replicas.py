@@ -100,6 +100,7 @@ def test_chat_render_gives_the_chat_templates_tokens(replicas):
     body = {"messages": CONVERSATION, "tools": TOOLS, "chat_template_kwargs": {"thinking": True}}
     rich = format_chat(fmt, tokenizer, CONVERSATION, tools=TOOLS, kwargs={"thinking": True})[0].token_ids
     assert rich != plain and _post(url, "/v1/chat/completions/render", body).json()["token_ids"] == rich
+    assert _post(url, "/tokenize", body).json()["tokens"] == rich  # /tokenize renders messages the same way
     used = _post(url, "/v1/chat/completions", {**body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
     assert used == len(rich)
 

@@ -12,8 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..chat import format_chat
-from ..errors import ChatFormatError, DeepInferError
+from ..errors import DeepInferError
 from ..sampling_params import InvalidRequestError
 from . import chat, completions, render
 from .async_engine import EngineDeadError
@@ -177,9 +176,11 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            if state.chat_format is None:
-                raise ChatFormatError(state.chat_format_error or "this model has no chat format")
-            ids = format_chat(state.chat_format, state.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt)[0].token_ids
+            ids = chat.render(ChatCompletionRequest(
+                messages=body.messages, tools=body.tools, reasoning_effort=body.reasoning_effort,
+                chat_template_kwargs=body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            ), state)[1]
         else:
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}

@@ -107,6 +107,11 @@ class TokenizeRequest(_Body):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    #: with ``messages``: rendered as ``/v1/chat/completions`` renders them
+    tools: list[dict[str, Any]] | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Body):
