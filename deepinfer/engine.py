@@ -15,13 +15,16 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+import torch
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .errors import ConfigError, DeepInferError
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import PrefilledRequest
+from .kv_transfer.sequence_state import SequenceState
 from .kv_store import BlockWrite, KVStore, PartShape, StoreStats, open_store, store_line
 from .loader import load_tokenizer, read_generation_config
 from .model.config import CSA, ModelConfig
@@ -283,12 +286,24 @@ class Engine:
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
         """The state and sampled tokens of a finished request added with ``hold_kv`` (copied off the device
         after the steps that wrote it); its cache stays held until ``release_prefilled``."""
+        return self._prefilled(request_id, self.runner.read_sequence)
+
+    def plan_prefilled(self, request_id: str) -> PrefilledRequest:
+        """As ``export_prefilled``, but nothing is copied: each state tensor is a ``RowRead`` of the pools
+        (``transfer_pools``), for a connector that reads them in place; valid until ``release_prefilled``."""
+        return self._prefilled(request_id, self.runner.plan_sequence)
+
+    def transfer_pools(self) -> list[torch.Tensor]:
+        """The tensors ``plan_prefilled`` reads point into (a connector registers them once)."""
+        return self.runner.transfer_pools()
+
+    def _prefilled(self, request_id: str, read: Callable[[int, list[int], int], SequenceState]) -> PrefilledRequest:
         req = self.requests.get(request_id)
         held = self.kv.held.get(request_id)
         if req is None or held is None:
             raise InvalidRequestError(f"request {request_id!r} holds no cache to export (unknown, running, or already released)")
         slot, table = held
-        state = self.executor.call(self.runner.read_sequence, slot, table, len(req.prompt_token_ids)).result()
+        state = self.executor.call(read, slot, table, len(req.prompt_token_ids)).result()
         return PrefilledRequest(state, list(req.output_token_ids))
 
     def release_prefilled(self, request_id: str) -> None:

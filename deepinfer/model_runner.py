@@ -24,7 +24,7 @@ import torch
 from .config import EngineConfig
 from .decode_graphs import DecodeGraph, DecodeGraphs, default_capture_sizes
 from .errors import ConfigError
-from .kv_transfer.sequence_state import SequenceState, read_sequence, write_sequence
+from .kv_transfer.sequence_state import SequenceState, plan_sequence, read_sequence, write_sequence
 from .model.batch import Batch
 from .model.cache import ModelCache
 from .model.cache_spec import CacheGeometry, block_size_for
@@ -419,6 +419,19 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.flush()
         return read_sequence(self.cache, self.proposer.ring if self.proposer is not None else None, slot, blocks, num_tokens)
+
+    def plan_sequence(self, slot: int, blocks: list[int], num_tokens: int) -> SequenceState:
+        """Where the state of positions ``[0, num_tokens)`` of ``slot`` lives in the pools, once the steps that
+        wrote it are done (device thread): what another process reads straight from ``transfer_pools``."""
+        if self.proposer is not None:
+            self.proposer.flush()
+        self.device.synchronize()
+        return plan_sequence(self.cache, self.proposer.ring if self.proposer is not None else None, slot, blocks, num_tokens)
+
+    def transfer_pools(self) -> list[torch.Tensor]:
+        """Every tensor a sequence's state is read from: the cache pools and the draft's context rings."""
+        ring = self.proposer.ring if self.proposer is not None else None
+        return self.cache.pools() + ([ring.ctx, ring.kv] if ring is not None else [])
 
     @torch.inference_mode()
     def install_sequence(self, slot: int, blocks: list[int], state: SequenceState) -> None:

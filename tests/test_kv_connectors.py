@@ -94,3 +94,41 @@ def test_mooncake_reads_from_another_process(prefilled):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_mooncake_reads_the_prefill_pools_in_place():
+    """The prefill side registers its pools once and publishes a manifest; the decode side reads exactly the
+    request's rows in one batch, the decode engine continues as a single engine would, and the prefill side's
+    blocks are freed once the decode side says it has read them."""
+    from deepinfer.kv_transfer.handoffs import Handoffs
+
+    colocated, prefill, decode = LLM(backend="cpu"), LLM(backend="cpu", max_prefill_chunk=32), LLM(backend="cpu", max_num_seqs=4)
+    ids = colocated.get_tokenizer().encode(" ".join(f"word{i % 37}" for i in range(150))).ids
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = colocated.generate([ids], params)[0].outputs[0].token_ids
+    connector = load_part("kv_connectors", "mooncake")
+    sender, receiver = Handoffs(connector({"host": "127.0.0.1"}), 60.0), Handoffs(connector({"host": "127.0.0.1"}), 60.0)
+    try:
+        req = prefill.engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), hold_kv=True)
+        while not req.all_finished:
+            prefill.engine.step()
+        transfer = json.loads(json.dumps(sender.publish(prefill.engine, req.request_id)))
+        assert transfer["location"]["segments"] > 0 and req.request_id in prefill.engine.kv.held  # still in the pools
+        pool_bytes = sum(t.numel() * t.element_size() for t in prefill.engine.transfer_pools())
+
+        tampered = {**transfer, "checksum": "0" * 32}
+        with pytest.raises(InvalidRequestError, match="checksum"):
+            receiver._fetch(tampered)
+        got, nbytes, _ = receiver._fetch(transfer)
+        assert 0 < nbytes < pool_bytes / 4  # the request's rows, not the pools
+        sender.expire()
+        assert req.request_id not in prefill.engine.kv.held and not sender.published  # read: its blocks are free
+        assert sender.stats.kv_transfers_expired == 0
+
+        out = decode.engine.add_request(ids, params, prefilled=got)
+        while not out.all_finished:
+            decode.engine.step()
+        assert decode.engine.output(out).outputs[0].token_ids == expected
+    finally:
+        sender.close()
+        receiver.close()

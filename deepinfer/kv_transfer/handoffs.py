@@ -1,12 +1,15 @@
 """A server's side of disaggregated serving: publishing prefilled requests, fetching them for decode.
 
-Lives in the engine process beside the engine. A prefill server exports each
-finished request's state, publishes it through the connector (the engine's
-cache is freed at once: the bytes are off the device) and hands back the
-``kv_transfer_params`` the decode side needs; what nobody fetches is released
-after ``timeout_s``. A decode server fetches on a thread of its own, so the
-engine keeps stepping while bytes arrive, and checks size and checksum before
-the state is installed.
+Lives in the engine process beside the engine. A prefill server publishes each
+finished request's state through the connector and hands back the
+``kv_transfer_params`` the decode side needs. With a connector that reads
+memory in place and an engine in this process, the state stays in the cache
+pools (registered once) and only a manifest of it is published; the request's
+blocks are freed once the decode side says it has read them. Otherwise the
+state is exported and published by value, and the cache is freed at once.
+What nobody fetches is released after ``timeout_s``. A decode server fetches
+on a thread of its own, so the engine keeps stepping while bytes arrive, and
+checks sizes and checksum before the state is installed.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import torch
+
 from deepinfer_interfaces.kv_connector import KVConnector, KVConnectorError
 
 from ..errors import DeepInferError
 from ..sampling_params import InvalidRequestError
 from . import handoff
-from .sequence_state import PrefilledRequest
+from .sequence_state import PrefilledRequest, SequenceState, map_data, reads
 
 #: threads fetching at once on a decode server
 FETCH_THREADS = 4
@@ -43,12 +48,48 @@ class TransferStats:
 def parse_params(params: Mapping[str, Any]) -> tuple[str, dict[str, Any], handoff.Handoff]:
     """(connector, location, size and checksum) from a decode request's ``kv_transfer_params``."""
     try:
-        return str(params["connector"]), dict(params["location"]), handoff.Handoff(int(params["nbytes"]), str(params["checksum"]))
+        parsed = str(params["connector"]), dict(params["location"]), handoff.Handoff(int(params["nbytes"]), str(params["checksum"]))
     except (KeyError, TypeError, ValueError):
         raise InvalidRequestError(
             "kv_transfer_params lacks what a prefill server of this engine returns (connector, location, nbytes, checksum); "
             "send the prefill response's kv_transfer_params unchanged", "kv_transfer_params",
         ) from None
+    if parsed[2].nbytes <= 0:
+        raise InvalidRequestError(f"kv_transfer_params has nbytes {parsed[2].nbytes}; a prefill server publishes a positive size",
+                                  "kv_transfer_params")
+    return parsed
+
+
+@dataclass
+class _Published:
+    at: float
+    #: the engine whose pools still hold the state (published in place), else None
+    engine: Any = None
+
+
+def _skeleton(plan: SequenceState) -> SequenceState:
+    """The plan's shapes and dtypes, no data (meta tensors): the manifest's body."""
+    return map_data(plan, lambda r: torch.empty((len(r.rows), r.pool.shape[1]), dtype=r.pool.dtype, device="meta"))
+
+
+def _filled(skeleton: SequenceState, data: bytearray) -> SequenceState:
+    """The manifest's tensors as views of the bytes read, in ``map_data`` order; refused when sizes disagree."""
+    flat = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    offset = 0
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        n = t.numel() * t.element_size()
+        if offset + n > len(flat):
+            raise InvalidRequestError(f"the transferred KV state has {len(flat)} bytes, fewer than its manifest describes; refused")
+        raw = flat[offset : offset + n]
+        offset += n
+        return (raw if raw.storage_offset() % t.element_size() == 0 else raw.clone()).view(t.dtype).view(t.shape)
+
+    state = map_data(skeleton, view)
+    if offset != len(flat):
+        raise InvalidRequestError(f"the transferred KV state has {len(flat)} bytes, not the {offset} its manifest describes; refused")
+    return state
 
 
 class Handoffs:
@@ -58,32 +99,58 @@ class Handoffs:
         self.connector = connector
         self.timeout_s = timeout_s
         self.stats = TransferStats()
-        #: transfer id -> when it was published
-        self.published: dict[str, float] = {}
+        self.published: dict[str, _Published] = {}
         self.fetches: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
+        #: the cache pools are registered with the connector (in place)
+        self._registered = False
 
     # ----- prefill -----
 
     def publish(self, engine: Any, request_id: str) -> dict[str, Any]:
-        """Export a finished ``hold_kv`` request, publish it, free its cache; the decode side's ``kv_transfer_params``."""
+        """Publish a finished ``hold_kv`` request; the decode side's ``kv_transfer_params``. In place when the
+        connector reads memory and the engine's pools are in this process, else by value (its cache freed now)."""
+        if self.connector.reads_in_place and hasattr(engine, "plan_prefilled"):
+            return self._publish_in_place(engine, request_id)
         try:
             payload, meta = handoff.encode(engine.export_prefilled(request_id))
         finally:
             engine.release_prefilled(request_id)
         location = self.connector.publish(request_id, payload)
-        self.published[request_id] = time.monotonic()
+        self.published[request_id] = _Published(time.monotonic())
+        return self._params(request_id, location, meta)
+
+    def _publish_in_place(self, engine: Any, request_id: str) -> dict[str, Any]:
+        """The state stays in the pools (held until the decode side has read it); its manifest is published."""
+        try:
+            if not self._registered:
+                self.connector.register_regions([(t.data_ptr(), t.numel() * t.element_size()) for t in engine.transfer_pools()])
+                self._registered = True
+            plan = engine.plan_prefilled(request_id)
+            manifest, meta = handoff.encode(PrefilledRequest(_skeleton(plan.state), plan.output_token_ids))
+            segments = [seg for r in reads(plan.state) for seg in r.segments()]
+            location = self.connector.publish_regions(request_id, manifest, segments)
+        except BaseException:
+            engine.release_prefilled(request_id)
+            raise
+        self.published[request_id] = _Published(time.monotonic(), engine)
+        return self._params(request_id, location, meta)
+
+    def _params(self, request_id: str, location: dict[str, Any], meta: handoff.Handoff) -> dict[str, Any]:
         return {"connector": self.connector.name, "location": location, "nbytes": meta.nbytes, "checksum": meta.checksum,
                 "remote_request_id": request_id}
 
     def expire(self) -> None:
-        """Release what no decode side fetched within the timeout."""
+        """Release what the decode side has read (in place), and what no decode side fetched within the timeout."""
         now = time.monotonic()
-        for transfer_id, at in list(self.published.items()):
-            if now - at > self.timeout_s:
+        for transfer_id, p in list(self.published.items()):
+            read = p.engine is not None and self.connector.fetched(transfer_id)
+            if read or now - p.at > self.timeout_s:
+                if p.engine is not None:
+                    p.engine.release_prefilled(transfer_id)
                 self.connector.release(transfer_id)
                 del self.published[transfer_id]
-                self.stats.kv_transfers_expired += 1
+                self.stats.kv_transfers_expired += 0 if read else 1
 
     # ----- decode -----
 
@@ -98,6 +165,11 @@ class Handoffs:
             raise InvalidRequestError(f"the prefill server used the {name!r} connector but this server uses {self.connector.name!r}; "
                                       "start both with the same --kv-connector", "kv_transfer_params")
         started = time.perf_counter()
+        if "segments" in location and self.connector.reads_in_place:
+            manifest, data = self.connector.fetch_regions(location, meta.nbytes)
+            skeleton = handoff.decode(manifest, meta)
+            prefilled = PrefilledRequest(_filled(skeleton.state, data), skeleton.output_token_ids)
+            return prefilled, meta.nbytes + len(data), time.perf_counter() - started
         payload = self.connector.fetch(location, meta.nbytes)
         return handoff.decode(payload, meta), meta.nbytes, time.perf_counter() - started
 
@@ -110,9 +182,12 @@ class Handoffs:
             del self.fetches[request_id]
             try:
                 prefilled, nbytes, seconds = future.result()
-            except (KVConnectorError, DeepInferError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a fetch that fails, however, fails its request alone
                 self.stats.kv_transfer_failures += 1
-                out.append((request_id, None, f"the KV transfer from the prefill server failed: {exc}"))
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                if not isinstance(exc, (KVConnectorError, DeepInferError)):
+                    why = f"{type(exc).__name__}: {why}"
+                out.append((request_id, None, f"the KV transfer from the prefill server failed: {why}"))
                 continue
             self.stats.kv_transfers += 1
             self.stats.kv_transfer_bytes += nbytes

@@ -13,7 +13,8 @@ destination continues at position ``n`` exactly as the source would have.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -23,11 +24,46 @@ from ..model.dspark import DSparkRing
 
 
 @dataclass
+class RowRead:
+    """Rows ``rows`` of a 2-D contiguous cache ``pool``, not yet read: what a state tensor is before it is
+    copied (``gather``) or read by another process straight from the pool's memory (``segments``)."""
+
+    pool: torch.Tensor
+    rows: np.ndarray
+
+    @property
+    def row_bytes(self) -> int:
+        return self.pool.shape[1] * self.pool.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.rows) * self.row_bytes
+
+    def gather(self) -> torch.Tensor:
+        """The rows, copied to the host."""
+        return self.pool.index_select(0, torch.from_numpy(self.rows).to(self.pool.device)).cpu()
+
+    def segments(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each run of consecutive rows, in row order (a ring that wraps has two)."""
+        if not len(self.rows):
+            return []
+        breaks = np.flatnonzero(np.diff(self.rows) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [len(self.rows)]))
+        base, size = self.pool.data_ptr(), self.row_bytes
+        return [(base + int(self.rows[a]) * size, int(b - a) * size) for a, b in zip(starts, ends)]
+
+
+#: a state tensor: read (on the host), or still in the pools (a plan)
+Data = torch.Tensor | RowRead
+
+
+@dataclass
 class RingRows:
     """The rows of one ring pool that hold ``positions`` (ascending), as ``data`` ``[len(positions), width]``."""
 
     positions: np.ndarray
-    data: torch.Tensor
+    data: Data
 
 
 @dataclass
@@ -35,9 +71,10 @@ class DraftContext:
     """The DSpark ring of one slot: context vectors and per-stage K=V rows, each with the positions it holds."""
 
     ctx_positions: np.ndarray
-    ctx: torch.Tensor
+    ctx: Data
     kv_positions: np.ndarray
-    kv: torch.Tensor  # [stages, rows, head_dim]
+    #: ``[stages, rows, head_dim]`` once read; before, one read per stage
+    kv: torch.Tensor | list[RowRead]
 
 
 @dataclass
@@ -46,23 +83,42 @@ class SequenceState:
 
     num_tokens: int
     #: per block, one tensor per ``ModelCache.block_parts()`` entry
-    blocks: list[list[torch.Tensor]]
+    blocks: list[list[Data]]
     #: per layer: its sliding-window K=V rows
     window: list[RingRows]
     #: per layer and compressor branch: the (kv, gate) projection rows
     states: list[dict[str, tuple[RingRows, RingRows]]]
     history: RingRows | None = None
     draft: DraftContext | None = None
-    #: bytes the state holds (what a transfer moves)
-    nbytes: int = field(default=0)
+    @property
+    def nbytes(self) -> int:
+        """Bytes the state holds (what a transfer moves)."""
+        sizes: list[int] = []
+        map_data(self, lambda x: sizes.append(x.nbytes if isinstance(x, RowRead) else x.numel() * x.element_size()) or x)
+        return sum(sizes)
 
-    def __post_init__(self) -> None:
-        if not self.nbytes:
-            tensors = [t for b in self.blocks for t in b] + [r.data for r in self.window]
-            tensors += [r.data for s in self.states for pair in s.values() for r in pair]
-            tensors += [self.history.data] if self.history is not None else []
-            tensors += [self.draft.ctx, self.draft.kv] if self.draft is not None else []
-            self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+def map_data(state: SequenceState, fn: Callable[[Data], Data]) -> SequenceState:
+    """``state`` with every tensor (or read) replaced by ``fn`` of it, always in the same order: blocks, window
+    rows, compressor states, history, the draft's context and its per-stage K=V."""
+    blocks = [[fn(t) for t in block] for block in state.blocks]
+    window = [replace(r, data=fn(r.data)) for r in state.window]
+    states = [{b: (replace(kv, data=fn(kv.data)), replace(gate, data=fn(gate.data))) for b, (kv, gate) in layer.items()}
+              for layer in state.states]
+    history = replace(state.history, data=fn(state.history.data)) if state.history is not None else None
+    draft = None
+    if state.draft is not None:
+        d = state.draft
+        kv = [fn(r) for r in d.kv] if isinstance(d.kv, list) else fn(d.kv)
+        draft = replace(d, ctx=fn(d.ctx), kv=torch.stack(kv) if isinstance(kv, list) and all(isinstance(t, torch.Tensor) for t in kv) else kv)
+    return SequenceState(state.num_tokens, blocks, window, states, history, draft)
+
+
+def reads(plan: SequenceState) -> list[RowRead]:
+    """A plan's reads in ``map_data`` order."""
+    out: list[RowRead] = []
+    map_data(plan, lambda x: out.append(x) or x)
+    return out
 
 
 @dataclass
@@ -83,7 +139,7 @@ def _live(n: int, rows: int) -> np.ndarray:
 def _read(pool: torch.Tensor, base: int, rows: np.ndarray, positions: np.ndarray) -> RingRows:
     """The rows holding ``positions`` (those below the slot's floor, which it never computed, left out)."""
     held = rows >= 0
-    return RingRows(positions[held], pool.index_select(0, torch.from_numpy(base + rows[held]).to(pool.device)).cpu())
+    return RingRows(positions[held], RowRead(pool, base + rows[held]))
 
 
 def _tail(r: RingRows, keep: int) -> RingRows:
@@ -100,6 +156,12 @@ def _write(pool: torch.Tensor, base: int, rows: np.ndarray, data: torch.Tensor) 
 def read_sequence(cache: ModelCache, ring: DSparkRing | None, slot: int, blocks: list[int], num_tokens: int) -> SequenceState:
     """Copy positions ``[0, num_tokens)`` of the sequence in ``slot`` (block table ``blocks``) off the device.
     Runs on the device thread, after the steps that wrote them."""
+    return map_data(plan_sequence(cache, ring, slot, blocks, num_tokens), lambda r: r.gather())
+
+
+def plan_sequence(cache: ModelCache, ring: DSparkRing | None, slot: int, blocks: list[int], num_tokens: int) -> SequenceState:
+    """Where positions ``[0, num_tokens)`` of the sequence in ``slot`` live in the pools: its state with every
+    tensor a ``RowRead`` (host-side arithmetic only; valid while the slot and blocks stay held)."""
     g = cache.geometry
     used = blocks[: -(-num_tokens // cache.block_size)]
     slots = lambda positions: np.full(len(positions), slot, dtype=np.int64)  # noqa: E731
@@ -121,7 +183,9 @@ def read_sequence(cache: ModelCache, ring: DSparkRing | None, slot: int, blocks:
     if g.history_rows:
         pos = _live(num_tokens, min(g.history_rows, g.history_window - 1))
         history = _read(cache.history.view(-1, 1), 0, cache.history_rows_of(slots(pos), pos), pos)
-    return SequenceState(num_tokens, cache.read_blocks(used), window, states, history, _read_draft(ring, slot, num_tokens))
+    parts = cache.block_parts()
+    block_reads = [[RowRead(p.pool, p.base + b * p.rows + np.arange(p.rows, dtype=np.int64)) for p in parts] for b in used]
+    return SequenceState(num_tokens, block_reads, window, states, history, _read_draft(ring, slot, num_tokens))
 
 
 def _read_draft(ring: DSparkRing | None, slot: int, num_tokens: int) -> DraftContext | None:
@@ -131,11 +195,8 @@ def _read_draft(ring: DSparkRing | None, slot: int, num_tokens: int) -> DraftCon
     lo = num_tokens - ring.window
     ctx_ok = rows[(ring.ctx_pos[rows] >= lo) & (ring.ctx_pos[rows] < num_tokens)]
     kv_ok = rows[(ring.kv_pos[rows] >= lo) & (ring.kv_pos[rows] < num_tokens)]
-    dev = ring.ctx.device
-    return DraftContext(
-        ring.ctx_pos[ctx_ok].copy(), ring.ctx.index_select(0, torch.from_numpy(ctx_ok).to(dev)).cpu(),
-        ring.kv_pos[kv_ok].copy(), ring.kv.index_select(1, torch.from_numpy(kv_ok).to(dev)).cpu(),
-    )
+    return DraftContext(ring.ctx_pos[ctx_ok].copy(), RowRead(ring.ctx, ctx_ok), ring.kv_pos[kv_ok].copy(),
+                        [RowRead(ring.kv[s], kv_ok) for s in range(ring.kv.shape[0])])
 
 
 def write_sequence(cache: ModelCache, ring: DSparkRing | None, slot: int, blocks: list[int], state: SequenceState) -> None:

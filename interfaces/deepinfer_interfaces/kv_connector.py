@@ -8,6 +8,14 @@ side through the router (vLLM's ``kv_transfer_params``) or the bootstrap
 handshake (SGLang's); the decode side ``fetch``es them from that location; the
 prefill side ``release``s them once they were fetched or the decode side gave up.
 
+A connector that reads memory in place (``reads_in_place``: RDMA, a device
+link) also offers a zero-copy path: the prefill side registers the memory its
+cache pools live in once (``register_regions``) and publishes, per request, a
+small manifest plus the ``segments`` (address, length) of that memory holding
+the request's state, which stays in the pools until the decode side has read
+it (``fetched``); the decode side reads exactly those segments, in bulk
+(``fetch_regions``).
+
 A connector registers as a ``deepinfer.kv_connectors`` entry point, so a vendor
 ships its own transport (RDMA, a shared file system, a device-to-device link)
 without touching the engine.
@@ -48,6 +56,29 @@ class KVConnector(ABC):
     @abstractmethod
     def release(self, transfer_id: str) -> None:
         """Forget a published payload (fetched, or abandoned); unknown ids are ignored."""
+
+    # ----- reading registered memory in place (optional) -----
+
+    #: the connector implements ``register_regions``, ``publish_regions``, ``fetch_regions`` and ``fetched``
+    reads_in_place: ClassVar[bool] = False
+
+    def register_regions(self, regions: list[tuple[int, int]]) -> None:
+        """Prefill side, once: the ``(address, length)`` regions published segments lie in (the cache pools)."""
+        raise NotImplementedError(f"the {self.name} connector does not read memory in place")
+
+    def publish_regions(self, transfer_id: str, manifest: bytes, segments: list[tuple[int, int]]) -> dict[str, Any]:
+        """Make ``manifest`` (copied) and the registered memory's ``segments`` (read in place, left untouched
+        until ``fetched``) fetchable under ``transfer_id``; the location."""
+        raise NotImplementedError(f"the {self.name} connector does not read memory in place")
+
+    def fetch_regions(self, location: Mapping[str, Any], manifest_nbytes: int) -> tuple[bytes, bytearray]:
+        """Decode side: the manifest, and every segment's bytes in order in one buffer; then tells the prefill
+        side they were read (raises ``KVConnectorError`` when they cannot be)."""
+        raise NotImplementedError(f"the {self.name} connector does not read memory in place")
+
+    def fetched(self, transfer_id: str) -> bool:
+        """Prefill side: whether the decode side has read a transfer published with ``publish_regions``."""
+        return False
 
     def close(self) -> None:
         """Release everything still published and the transport itself."""
