@@ -85,6 +85,8 @@ def test_mooncake_reads_from_another_process(prefilled):
         reader = load_part("kv_connectors", "mooncake")({"host": "127.0.0.1"})
         got = reader.fetch(location, meta.nbytes)
         assert got == payload
+        with pytest.raises(Exception, match="another decode server read it"):
+            reader.fetch(location, meta.nbytes)  # read once: marked read, never handed out twice
         assert handoff.decode(got, meta).state.num_tokens == prefilled.state.num_tokens
         proc.kill()
         proc.wait(10)
@@ -119,6 +121,7 @@ def test_mooncake_reads_the_prefill_pools_in_place():
         tampered = {**transfer, "checksum": "0" * 32}
         with pytest.raises(InvalidRequestError, match="checksum"):
             receiver._fetch(tampered)
+        assert req.request_id in prefill.engine.kv.held and not sender.connector.fetched(req.request_id)  # refused unread
         got, nbytes, _ = receiver._fetch(transfer)
         assert 0 < nbytes < pool_bytes / 4  # the request's rows, not the pools
         sender.expire()

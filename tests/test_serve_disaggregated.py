@@ -5,24 +5,17 @@ that cannot be made fails its request alone."""
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import httpx
 import pytest
 
 from tests.helpers.servers import free_port, running_server
+from tests.helpers.disaggregation import BODY, PROMPTS, metric, prefill_then_decode
 from tests.helpers.routers import routing, sglang_router_command, vllm_router_command
 
 pytestmark = pytest.mark.slow
 
-BODY = {"model": "tiny-v4", "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
-PROMPTS = ["def read_file(path):", "import numpy as np\n" * 12]
-
-
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return float(re.search(rf"^deepinfer:{name}\S* (\S+)$", text, re.M).group(1))
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +51,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 def _check_split(url: str, colocated_url: str, decode_url: str) -> None:
     """Through the router: greedy completions, a streamed chat and a schema-constrained chat equal the colocated
     server's; the decode server computed no prompt token and verified drafted tokens."""
-    computed = _metric(decode_url, "prefill_tokens_computed_total")
-    drafted = _metric(decode_url, "spec_decode_num_draft_tokens_total")
+    computed = metric(decode_url, "prefill_tokens_computed_total")
+    drafted = metric(decode_url, "spec_decode_num_draft_tokens_total")
     for prompt in PROMPTS:
         expected = httpx.post(colocated_url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120).json()
         got = httpx.post(url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120)
@@ -75,9 +68,9 @@ def _check_split(url: str, colocated_url: str, decode_url: str) -> None:
     assert got.status_code == 200, got.text
     assert got.json()["choices"][0]["message"]["content"] == expected
     assert expected.startswith('{"name"')  # the grammar held (the tiny model's JSON may run past max_tokens)
-    assert _metric(decode_url, "prefill_tokens_computed_total") == computed  # the decode server computed no prompt
-    assert _metric(decode_url, "spec_decode_num_draft_tokens_total") > drafted  # and drafted across the split
-    assert _metric(decode_url, "kv_transfers_total") >= 4 and _metric(decode_url, "kv_transfer_bytes_total") > 0
+    assert metric(decode_url, "prefill_tokens_computed_total") == computed  # the decode server computed no prompt
+    assert metric(decode_url, "spec_decode_num_draft_tokens_total") > drafted  # and drafted across the split
+    assert metric(decode_url, "kv_transfers_total") >= 4 and metric(decode_url, "kv_transfer_bytes_total") > 0
 
 
 def test_vllm_router_pd_mode_gives_the_colocated_outputs(colocated, pd_pair, tmp_path):
@@ -88,22 +81,12 @@ def test_vllm_router_pd_mode_gives_the_colocated_outputs(colocated, pd_pair, tmp
         _check_split(url, colocated.url, decode.url)
 
 
-def _prefill_then_decode(prefill_url: str, decode_url: str, prompt: str, before_decode=None) -> httpx.Response:
-    first = httpx.post(prefill_url + "/v1/completions", json={**BODY, "prompt": prompt, "max_tokens": 1,
-                                                              "kv_transfer_params": {"do_remote_decode": True}}, timeout=120)
-    assert first.status_code == 200, first.text
-    params = first.json()["kv_transfer_params"]
-    if before_decode is not None:
-        before_decode()
-    return httpx.post(decode_url + "/v1/completions", json={**BODY, "prompt": prompt, "kv_transfer_params": params}, timeout=120)
-
-
 def test_store_connector_through_a_shared_directory(colocated, tmp_path):
     shared = ["--kv-connector", "store", "--kv-store", str(tmp_path / "shared")]
     with running_server(["--disaggregation-mode", "prefill", *shared]) as prefill, \
             running_server(["--disaggregation-mode", "decode", *shared]) as decode:
         expected = httpx.post(colocated.url + "/v1/completions", json={**BODY, "prompt": PROMPTS[1]}, timeout=120).json()
-        got = _prefill_then_decode(prefill.url, decode.url, PROMPTS[1])
+        got = prefill_then_decode(prefill.url, decode.url, PROMPTS[1])
         assert got.status_code == 200, got.text
         assert got.json()["choices"][0]["text"] == expected["choices"][0]["text"]
 
@@ -116,10 +99,10 @@ def test_faults_fail_their_request_alone(tmp_path):
         bare = httpx.post(decode.url + "/v1/completions", json={**BODY, "prompt": "hi"}, timeout=60)
         assert bare.status_code == 400 and bare.json()["error"]["param"] == "kv_transfer_params"
         # a state nobody fetched in time is released: its late decode fails with 500, naming the transfer
-        late = _prefill_then_decode(prefill.url, decode.url, PROMPTS[0], before_decode=lambda: time.sleep(4))
+        late = prefill_then_decode(prefill.url, decode.url, PROMPTS[0], before_decode=lambda: time.sleep(4))
         assert late.status_code == 500 and "KV transfer" in late.json()["error"]["message"], late.text
-        assert _metric(prefill.url, "kv_transfers_expired_total") >= 1
-        assert _metric(decode.url, "kv_transfer_failures_total") >= 1
+        assert metric(prefill.url, "kv_transfers_expired_total") >= 1
+        assert metric(decode.url, "kv_transfer_failures_total") >= 1
         # a corrupted transfer is refused, never decoded from
         first = httpx.post(prefill.url + "/v1/completions", json={**BODY, "prompt": PROMPTS[0], "max_tokens": 1,
                                                                   "kv_transfer_params": {"do_remote_decode": True}}, timeout=60).json()
@@ -127,9 +110,9 @@ def test_faults_fail_their_request_alone(tmp_path):
         bad = httpx.post(decode.url + "/v1/completions", json={**BODY, "prompt": PROMPTS[0], "kv_transfer_params": params}, timeout=60)
         assert bad.status_code == 500 and "checksum" in bad.json()["error"]["message"]
         # and the decode server goes on serving, its cache all free again
-        ok = _prefill_then_decode(prefill.url, decode.url, PROMPTS[0])
+        ok = prefill_then_decode(prefill.url, decode.url, PROMPTS[0])
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
-        assert _metric(decode.url, "kv_cache_usage_perc") == 0
+        assert metric(decode.url, "kv_cache_usage_perc") == 0
 
 
 def test_sglang_router_pd_mode_meets_on_the_bootstrap_room(colocated, pd_pair, tmp_path):
@@ -148,12 +131,12 @@ def test_recompute_policy_prefills_a_failed_transfer_on_the_decode_side(colocate
     with running_server(["--disaggregation-mode", "prefill", "--kv-transfer-timeout", "1", *shared]) as prefill, \
             running_server(["--disaggregation-mode", "decode", "--kv-load-failure-policy", "recompute", *shared]) as decode:
         expected = httpx.post(colocated.url + "/v1/completions", json={**BODY, "prompt": PROMPTS[1]}, timeout=120).json()
-        computed = _metric(decode.url, "prefill_tokens_computed_total")
-        late = _prefill_then_decode(prefill.url, decode.url, PROMPTS[1], before_decode=lambda: time.sleep(4))
+        computed = metric(decode.url, "prefill_tokens_computed_total")
+        late = prefill_then_decode(prefill.url, decode.url, PROMPTS[1], before_decode=lambda: time.sleep(4))
         assert late.status_code == 200, late.text
         assert late.json()["choices"][0]["text"] == expected["choices"][0]["text"]
-        assert _metric(decode.url, "kv_transfers_recomputed_total") == 1
-        assert _metric(decode.url, "prefill_tokens_computed_total") > computed
+        assert metric(decode.url, "kv_transfers_recomputed_total") == 1
+        assert metric(decode.url, "prefill_tokens_computed_total") > computed
         orphan = httpx.post(decode.url + "/v1/completions", json={
             **BODY, "prompt": PROMPTS[1], "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 7}, timeout=120)
         assert orphan.status_code == 200, orphan.text

@@ -141,14 +141,15 @@ class Handoffs:
                 "remote_request_id": request_id}
 
     def expire(self) -> None:
-        """Release what the decode side has read (in place), and what no decode side fetched within the timeout."""
+        """Release what the decode side has read, and what no decode side read within the timeout (the
+        connector's record first, then the blocks it pointed into)."""
         now = time.monotonic()
         for transfer_id, p in list(self.published.items()):
-            read = p.engine is not None and self.connector.fetched(transfer_id)
+            read = self.connector.fetched(transfer_id)
             if read or now - p.at > self.timeout_s:
+                self.connector.release(transfer_id)
                 if p.engine is not None:
                     p.engine.release_prefilled(transfer_id)
-                self.connector.release(transfer_id)
                 del self.published[transfer_id]
                 self.stats.kv_transfers_expired += 0 if read else 1
 
@@ -166,8 +167,14 @@ class Handoffs:
                                       "start both with the same --kv-connector", "kv_transfer_params")
         started = time.perf_counter()
         if "segments" in location and self.connector.reads_in_place:
-            manifest, data = self.connector.fetch_regions(location, meta.nbytes)
-            skeleton = handoff.decode(manifest, meta)
+            decoded: list[PrefilledRequest] = []
+
+            def check(manifest: bytes) -> int:  # before any row is read: a bad manifest leaves the state unread
+                decoded.append(handoff.decode(manifest, meta))
+                return decoded[0].state.nbytes
+
+            manifest, data = self.connector.fetch_regions(location, meta.nbytes, check)
+            skeleton = decoded[0]
             prefilled = PrefilledRequest(_filled(skeleton.state, data), skeleton.output_token_ids)
             return prefilled, meta.nbytes + len(data), time.perf_counter() - started
         payload = self.connector.fetch(location, meta.nbytes)

@@ -1,30 +1,39 @@
 """The ``mooncake`` connector: Mooncake's transfer engine reads the prefill side's memory from the decode side.
 
+Every published record starts with a flag word: the decode side checks it is
+still "published" when it reads and sets it to "read" after, upon which the
+prefill side releases the record; a release first sets it to "released", so a
+reader racing the release refuses what it read.
+
 In place (what a prefill server with an in-process engine uses): the prefill
 side registers its cache pools with the transfer engine once; per request it
-publishes one small registered record, a done flag, the ``(address, length)``
-segments of the pools holding the request's state and a manifest of their
-shapes, and leaves the state in the pools. The decode side reads the record,
-then every segment in one ``batch_transfer_sync_read`` into a buffer of the
-request's size (never a whole pool), and writes the flag, upon which the
-prefill side frees the request's blocks. By value (``publish``/``fetch``, an
-expert-parallel prefill server whose pools live in its ranks): the payload's
-buffer is registered and read whole. RDMA where the machines have it, TCP
-elsewhere (``protocol`` option; the CPU reference and the tests use TCP through
-``mooncake-transfer-engine-non-cuda``).
+publishes a small record, the ``(address, length)`` segments of the pools
+holding the request's state and a manifest of their shapes, and leaves the
+state in the pools. The decode side reads the record, checks the manifest and
+that the segments add up to it, reads every segment in one
+``batch_transfer_sync_read`` into a buffer of the request's size (never a whole
+pool), and checks the flag again before it marks the record read. By value
+(``publish``/``fetch``, an expert-parallel prefill server whose pools live in
+its ranks): the payload follows the flag and is read whole. RDMA where the
+machines have it, TCP elsewhere (``protocol`` option; the CPU reference and
+the tests use TCP through ``mooncake-transfer-engine-non-cuda``). A frozen peer
+fails a read after Mooncake's ``MC_TRANSFER_TIMEOUT`` (seconds).
 """
 
 from __future__ import annotations
 
 import ctypes
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from deepinfer_interfaces.kv_connector import KVConnector, KVConnectorError
 
-#: the in-place record: an 8-byte done flag, the segment count, then ``(address, length)`` pairs, then the manifest
-_HEAD = struct.Struct("<qq")
+#: every published record starts with a flag word: published, read by the decode side, released by the prefill side
+_FLAG = struct.Struct("<q")
+_PUBLISHED, _READ, _RELEASED = 0, 1, -1
+#: the in-place record's body: the segment count, ``(address, length)`` per segment, then the manifest
+_COUNT = struct.Struct("<q")
 _SEGMENT = struct.Struct("<qq")
 
 _PACKAGES = "mooncake-transfer-engine (CUDA), mooncake-transfer-engine-npu (Ascend) or mooncake-transfer-engine-non-cuda (CPU, TCP)"
@@ -73,16 +82,31 @@ class MooncakeConnector(KVConnector):
         self.regions: list[tuple[int, int]] = []
 
     def publish(self, transfer_id: str, payload: bytes) -> dict[str, Any]:
-        buf = ctypes.create_string_buffer(payload, len(payload))
+        """Registers ``[flag | payload]``; the decode side reads the payload after the flag word."""
+        buf = ctypes.create_string_buffer(_FLAG.pack(_PUBLISHED) + payload, _FLAG.size + len(payload))
         address = ctypes.addressof(buf)
-        if self.engine.register_memory(address, len(payload)) != 0:
+        if self.engine.register_memory(address, len(buf)) != 0:
             raise KVConnectorError(f"Mooncake could not register {len(payload)} bytes for transfer {transfer_id}")
         self.published[transfer_id] = buf
         return {"session": self.session, "address": address}
 
     def fetch(self, location: Mapping[str, Any], nbytes: int) -> bytes:
         session, address = _where(location)
-        return bytes(self._read(session, [(address, nbytes)]))
+        record = self._read(session, [(address, _FLAG.size + nbytes)])
+        _check_flag(record)
+        self._mark_read(session, address)
+        return bytes(record[_FLAG.size :])
+
+    def fetched(self, transfer_id: str) -> bool:
+        buf = self.published.get(transfer_id)
+        return buf is not None and _FLAG.unpack_from(buf, 0)[0] == _READ
+
+    def release(self, transfer_id: str) -> None:
+        """The flag says released before the memory goes, so a reader racing the release refuses what it read."""
+        buf = self.published.pop(transfer_id, None)
+        if buf is not None:
+            _FLAG.pack_into(buf, 0, _RELEASED)
+            self.engine.unregister_memory(ctypes.addressof(buf))
 
     def _read(self, session: str, segments: list[tuple[int, int]]) -> bytearray:
         """The remote ``segments`` in order, in one buffer registered for the read (one batch)."""
@@ -103,6 +127,19 @@ class MooncakeConnector(KVConnector):
             raise KVConnectorError(f"reading {total} bytes from {session} failed (status {status}); is the prefill server alive?")
         return buf if total else bytearray()
 
+    def _mark_read(self, session: str, address: int) -> None:
+        """Tell the prefill side its transfer was read (the record's flag word becomes 1)."""
+        flag = ctypes.create_string_buffer(_FLAG.pack(_READ), _FLAG.size)
+        local = ctypes.addressof(flag)
+        if self.engine.register_memory(local, _FLAG.size) != 0:
+            raise KVConnectorError("Mooncake could not register the 8-byte done flag")
+        try:
+            status = self.engine.transfer_sync_write(session, local, address, _FLAG.size)
+        finally:
+            self.engine.unregister_memory(local)
+        if status < 0:
+            raise KVConnectorError(f"telling {session} the state was read failed (status {status}); is the prefill server alive?")
+
     # ----- in place -----
 
     def register_regions(self, regions: list[tuple[int, int]]) -> None:
@@ -112,43 +149,31 @@ class MooncakeConnector(KVConnector):
             self.regions.append((address, length))
 
     def publish_regions(self, transfer_id: str, manifest: bytes, segments: list[tuple[int, int]]) -> dict[str, Any]:
-        record = _HEAD.pack(0, len(segments)) + b"".join(_SEGMENT.pack(a, n) for a, n in segments) + manifest
-        location = self.publish(transfer_id, record)
-        return {**location, "segments": len(segments)}
+        body = _COUNT.pack(len(segments)) + b"".join(_SEGMENT.pack(a, n) for a, n in segments) + manifest
+        return {**self.publish(transfer_id, body), "segments": len(segments)}
 
-    def fetch_regions(self, location: Mapping[str, Any], manifest_nbytes: int) -> tuple[bytes, bytearray]:
+    def fetch_regions(
+        self, location: Mapping[str, Any], manifest_nbytes: int, check: Callable[[bytes], int]
+    ) -> tuple[bytes, bytearray]:
         session, address = _where(location)
         count = location.get("segments")
         if not isinstance(count, int) or count < 0:
             raise KVConnectorError("the transfer's location has no segment count; it was not published in place by a mooncake connector")
-        head = _HEAD.size + count * _SEGMENT.size
+        head = _FLAG.size + _COUNT.size + count * _SEGMENT.size
         record = self._read(session, [(address, head + manifest_nbytes)])
-        segments = [_SEGMENT.unpack_from(record, _HEAD.size + k * _SEGMENT.size) for k in range(count)]
+        _check_flag(record)
+        if _COUNT.unpack_from(record, _FLAG.size)[0] != count:
+            raise KVConnectorError("the transfer's record holds another segment count than its location; refused")
+        segments = [_SEGMENT.unpack_from(record, _FLAG.size + _COUNT.size + k * _SEGMENT.size) for k in range(count)]
+        manifest = bytes(record[head:])
+        expected = check(manifest)
+        if sum(n for _, n in segments) != expected or any(n <= 0 for _, n in segments):
+            raise KVConnectorError(f"the transfer's segments hold {sum(n for _, n in segments)} bytes, not the {expected} its manifest "
+                                   "describes; refused")
         data = self._read(session, segments)
-        self._write_flag(session, address)
-        return bytes(record[head:]), data
-
-    def _write_flag(self, session: str, address: int) -> None:
-        """Tell the prefill side the segments were read (its record's first word becomes 1)."""
-        flag = ctypes.create_string_buffer(struct.pack("<q", 1), 8)
-        local = ctypes.addressof(flag)
-        if self.engine.register_memory(local, 8) != 0:
-            raise KVConnectorError("Mooncake could not register the 8-byte done flag")
-        try:
-            status = self.engine.transfer_sync_write(session, local, address, 8)
-        finally:
-            self.engine.unregister_memory(local)
-        if status < 0:
-            raise KVConnectorError(f"telling {session} the state was read failed (status {status}); is the prefill server alive?")
-
-    def fetched(self, transfer_id: str) -> bool:
-        buf = self.published.get(transfer_id)
-        return buf is not None and struct.unpack_from("<q", buf, 0)[0] == 1
-
-    def release(self, transfer_id: str) -> None:
-        buf = self.published.pop(transfer_id, None)
-        if buf is not None:
-            self.engine.unregister_memory(ctypes.addressof(buf))
+        _check_flag(self._read(session, [(address, _FLAG.size)]))  # not released while its rows were read
+        self._mark_read(session, address)
+        return manifest, data
 
     def close(self) -> None:
         for transfer_id in list(self.published):
@@ -156,6 +181,11 @@ class MooncakeConnector(KVConnector):
         for address, _ in self.regions:
             self.engine.unregister_memory(address)
         self.regions.clear()
+
+
+def _check_flag(record: bytearray) -> None:
+    if _FLAG.unpack_from(record, 0)[0] != _PUBLISHED:
+        raise KVConnectorError("the prefill server released this KV state (it expired, or another decode server read it); refused")
 
 
 def _where(location: Mapping[str, Any]) -> tuple[str, int]:

@@ -13,7 +13,7 @@ from deepinfer_interfaces.kv_connector import KVConnector, KVConnectorError
 
 class StoreConnector(KVConnector):
     """Writes each payload to ``<directory>/transfers/<id>.kv`` (atomically: a temporary name, then a rename);
-    the decode side reads it; ``release`` deletes it. ``options``: ``directory`` (the shared mount)."""
+    the decode side reads it and deletes it (so the prefill side knows it was read); ``release`` deletes it. ``options``: ``directory`` (the shared mount)."""
 
     name = "store"
 
@@ -43,9 +43,15 @@ class StoreConnector(KVConnector):
         if not isinstance(path, str):
             raise KVConnectorError("the transfer's location has no 'path'; it was not published by a store connector")
         try:
-            return Path(path).read_bytes()
+            payload = Path(path).read_bytes()
         except OSError as exc:
             raise KVConnectorError(f"cannot read the transferred KV state at {path} ({exc.strerror}); is the directory shared?") from None
+        Path(path).unlink(missing_ok=True)  # read: the prefill side sees it gone (``fetched``)
+        return payload
+
+    def fetched(self, transfer_id: str) -> bool:
+        path = self.published.get(transfer_id)
+        return path is not None and not path.exists()
 
     def release(self, transfer_id: str) -> None:
         path = self.published.pop(transfer_id, None)

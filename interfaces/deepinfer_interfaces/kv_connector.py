@@ -5,16 +5,17 @@ cache state, serialized with its size and checksum, which the engine checks
 before it decodes from them). The prefill side ``publish``es a request's bytes
 and gets back a *location*, a small JSON-able mapping that travels to the decode
 side through the router (vLLM's ``kv_transfer_params``) or the bootstrap
-handshake (SGLang's); the decode side ``fetch``es them from that location; the
-prefill side ``release``s them once they were fetched or the decode side gave up.
+handshake (SGLang's); the decode side ``fetch``es them from that location (and
+marks them read); the prefill side ``release``s them once they were read
+(``fetched``) or the decode side gave up.
 
 A connector that reads memory in place (``reads_in_place``: RDMA, a device
 link) also offers a zero-copy path: the prefill side registers the memory its
 cache pools live in once (``register_regions``) and publishes, per request, a
 small manifest plus the ``segments`` (address, length) of that memory holding
 the request's state, which stays in the pools until the decode side has read
-it (``fetched``); the decode side reads exactly those segments, in bulk
-(``fetch_regions``).
+it (``fetched``); the decode side checks the manifest, then reads exactly those
+segments, in bulk (``fetch_regions``).
 
 A connector registers as a ``deepinfer.kv_connectors`` entry point, so a vendor
 ships its own transport (RDMA, a shared file system, a device-to-device link)
@@ -24,7 +25,7 @@ without touching the engine.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 
@@ -51,7 +52,12 @@ class KVConnector(ABC):
 
     @abstractmethod
     def fetch(self, location: Mapping[str, Any], nbytes: int) -> bytes:
-        """The ``nbytes`` published at ``location`` (raises ``KVConnectorError`` when they cannot be read)."""
+        """The ``nbytes`` published at ``location``, marked read for the prefill side (raises ``KVConnectorError``
+        when they cannot be read)."""
+
+    def fetched(self, transfer_id: str) -> bool:
+        """Prefill side: whether the decode side has read a published transfer (it may be released now)."""
+        return False
 
     @abstractmethod
     def release(self, transfer_id: str) -> None:
@@ -71,14 +77,15 @@ class KVConnector(ABC):
         until ``fetched``) fetchable under ``transfer_id``; the location."""
         raise NotImplementedError(f"the {self.name} connector does not read memory in place")
 
-    def fetch_regions(self, location: Mapping[str, Any], manifest_nbytes: int) -> tuple[bytes, bytearray]:
-        """Decode side: the manifest, and every segment's bytes in order in one buffer; then tells the prefill
-        side they were read (raises ``KVConnectorError`` when they cannot be)."""
+    def fetch_regions(
+        self, location: Mapping[str, Any], manifest_nbytes: int, check: Callable[[bytes], int]
+    ) -> tuple[bytes, bytearray]:
+        """Decode side: the manifest, and every segment's bytes in order in one buffer. ``check`` is called with the
+        manifest before any segment is read: it raises to refuse the transfer (left published, unread) or returns
+        the bytes the manifest describes, which the segments must add up to. The data is valid only if the
+        prefill side did not release it meanwhile (checked after the read); then it is marked read. Raises
+        ``KVConnectorError`` when it cannot be read."""
         raise NotImplementedError(f"the {self.name} connector does not read memory in place")
-
-    def fetched(self, transfer_id: str) -> bool:
-        """Prefill side: whether the decode side has read a transfer published with ``publish_regions``."""
-        return False
 
     def close(self) -> None:
         """Release everything still published and the transport itself."""
