@@ -156,7 +156,24 @@ def _write(pool: torch.Tensor, base: int, rows: np.ndarray, data: torch.Tensor) 
 def read_sequence(cache: ModelCache, ring: DSparkRing | None, slot: int, blocks: list[int], num_tokens: int) -> SequenceState:
     """Copy positions ``[0, num_tokens)`` of the sequence in ``slot`` (block table ``blocks``) off the device.
     Runs on the device thread, after the steps that wrote them."""
-    return map_data(plan_sequence(cache, ring, slot, blocks, num_tokens), lambda r: r.gather())
+    return gather(plan_sequence(cache, ring, slot, blocks, num_tokens))
+
+
+def gather(plan: SequenceState) -> SequenceState:
+    """The plan's rows copied to the host with one gather and one copy per pool (not one per block and part)."""
+    pending = reads(plan)
+    by_pool: dict[int, list[int]] = {}
+    for k, r in enumerate(pending):
+        by_pool.setdefault(id(r.pool), []).append(k)
+    pieces: list[torch.Tensor | None] = [None] * len(pending)
+    for members in by_pool.values():
+        first = pending[members[0]]
+        rows = np.concatenate([pending[k].rows for k in members])
+        host = RowRead(first.pool, rows).gather()
+        for k, part in zip(members, torch.split(host, [len(pending[k].rows) for k in members])):
+            pieces[k] = part
+    taken = iter(pieces)
+    return map_data(plan, lambda _: next(taken))
 
 
 def plan_sequence(cache: ModelCache, ring: DSparkRing | None, slot: int, blocks: list[int], num_tokens: int) -> SequenceState:
