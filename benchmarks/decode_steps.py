@@ -25,9 +25,10 @@ import torch
 from common import add_json_flag, emit_json, model_dir
 from torch.profiler import ProfilerActivity, profile
 
-from deepinfer.model import Batch, ContiguousCache, DeepseekV4Model, StepLayout, StepShape
-from deepinfer.model.inputs import fill_step_inputs
-from deepinfer.model.metadata import build_layer_metas
+from deepinfer.models.common import Batch, ContiguousCache, StepLayout, StepShape
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.models.common.inputs import fill_step_inputs
+from deepinfer.models.common.metadata import build_layer_metas
 from deepinfer.registry import select_backend
 
 

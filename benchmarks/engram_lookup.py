@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from common import add_json_flag, emit_json
 
-from deepinfer.model.engram import EngramLayout, EngramTable
+from deepinfer.models.deepseek_v41.engram import EngramLayout, EngramTable
 from deepinfer_interfaces import Kernels
 
 HEAD_DIM = 256

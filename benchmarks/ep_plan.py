@@ -167,7 +167,7 @@ ACTIVATION_SCALE_GROUP = 128
 # same vocabulary, heads (64 x 512, RoPE 64), o_lora_rank / o_groups, top-6 of routed experts plus one shared,
 # index_head_dim, index_topk, sliding window and hc_mult as V4-Flash; what differs is below. No hash-routed
 # layers; every layer keeps its own window, and the compressed KV and indexer keys of each ratio are owned by
-# its KV sources and shared with the layers after them (CSA2; deepinfer/model/config_v41_text.py).
+# its KV sources and shared with the layers after them (CSA2; deepinfer/models/deepseek_v41/text_config.py).
 V41_HIDDEN = 5120  # hidden_size
 V41_MOE_INTERMEDIATE = 2304  # moe_intermediate_size
 V41_ROUTED_EXPERTS = 384  # n_routed_experts
@@ -381,7 +381,7 @@ KV_FORMATS: dict[str, KvFormat] = {
 def compressor_state_bytes(kind: LayerKind, model: Model = V4_FLASH) -> float:
     """Per sequence and layer: the compressor's not-yet-pooled windows, kv and gate projections of each token.
 
-    Sized as deepinfer/model/cache_spec.py sizes its state rings for one-token steps: ``overlap * ratio`` rows of
+    Sized as deepinfer/models/common/cache_spec.py sizes its state rings for one-token steps: ``overlap * ratio`` rows of
     width ``overlap * head_dim`` (V4's CSA entries also pool the previous window, overlap 2) plus, where the
     indexer keys have a compressor of their own (V4's CSA), its ``overlap * index_head_dim``; bf16. A layer that
     owns no entries, or pools nothing (V4.1's ratio 1), keeps none.
@@ -1090,7 +1090,7 @@ def best_decode_step(hw: Hardware, n: int, batch: int, context: int, fmt: KvForm
 
 
 # ---- the DSpark draft pass -----------------------------------------------------------------------------------
-# DeepSeek-V4-Flash-DSpark (the release's config.json and inference/config.json; deepinfer/model/dspark.py lays
+# DeepSeek-V4-Flash-DSpark (the release's config.json and inference/config.json; deepinfer/models/common/dspark.py lays
 # it out): three draft stages mtp.0..mtp.2 (n_mtp_layers; the config's two extra compress_ratios entries are
 # those uncompressed SWA-128 blocks), dspark_block_size 5, dspark_target_layer_ids [40, 41, 42],
 # dspark_markov_rank 256; each stage's routed MoE has the target's expert count, expert shape and top-k.

@@ -33,6 +33,7 @@ from common import ROOT, add_json_flag, emit_json, model_dir, random_tokens
 
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.models.registry import parse_config
 
 #: seconds one worker process may take
 WORKER_TIMEOUT_S = 1800
@@ -176,10 +177,9 @@ def flash_bytes_per_token(block_size: int) -> tuple[float, int]:
     sys.path.insert(0, str(ROOT))
     from tests.helpers.published import V4_FLASH
 
-    from deepinfer.model.cache_spec import CacheGeometry, block_size_for
-    from deepinfer.model.config import ModelConfig
+    from deepinfer.models.common.cache_spec import CacheGeometry, block_size_for
 
-    config = ModelConfig.from_hf(V4_FLASH)
+    config = parse_config(V4_FLASH)
     block = block_size_for(config, block_size)
     return CacheGeometry.build(config, block, 8192, 1 << 20).bytes_per_token(torch.bfloat16), block
 

@@ -196,44 +196,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     import torch
 
     from .engine import resolve_model_dir
-    from .loader.files import read_config_json
     from .weight_memory import weight_memory
 
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
-    model_dir = resolve_model_dir(args.model)
-    if read_config_json(model_dir).get("model_type") == "deepseek_v41":
-        return _inspect_v41(args, model_dir, dtype)
-    mem = weight_memory(model_dir, ep=args.ep, dtype=dtype, quantization=args.quantization)
+    mem = weight_memory(resolve_model_dir(args.model), ep=args.ep, dtype=dtype, quantization=args.quantization)
     if args.json:
         print(json.dumps(mem.as_dict()))
         return 0
-    print(f"weights ({mem.quantization}, the rest in {mem.dtype}):")
+    print(f"weights ({mem.quantization}, the rest in {mem.dtype}; built on the meta device as the engine holds them):")
+    print(f"  {'part':<18} {'total':>12} {f'rank at --ep {mem.ep}':>16}")
+    notes = {"backbone": "routed experts split, the rest on every rank", "engram": "n-gram tables, on every rank",
+             "draft": "DSpark; its experts split"}
+    for name, part in mem.parts.items():
+        print(f"  {name:<18} {_size(part.total_bytes):>12} {_size(part.per_rank_bytes):>16}  ({notes.get(name, 'on every rank')})")
+    print(f"  {'total':<18} {_size(mem.total_bytes):>12} {_size(mem.per_rank_bytes):>16}")
     for kind, n in mem.by_kind.items():
         print(f"  {kind:<18} {_size(n):>12}")
-    print(f"  {'total':<18} {_size(mem.total_bytes):>12}")
-    print(f"largest rank at --ep {mem.ep}: {_size(mem.per_rank_bytes)} (routed experts split, everything else on every rank)")
+    print(f"one routed expert: {mem.bytes_per_routed_expert:,} B")
     if mem.checkpoint_bytes is not None:
-        print(f"checkpoint on disk (index total_size, draft layers included): {_size(mem.checkpoint_bytes)}")
-    return 0
-
-
-def _inspect_v41(args: argparse.Namespace, model_dir, dtype) -> int:
-    """``inspect`` of a DeepSeek V4.1 checkpoint: backbone, Engram tables and draft, each whole and per rank."""
-    from .weight_memory_v41 import v41_weight_memory
-
-    mem = v41_weight_memory(model_dir, ep=args.ep, dtype=dtype, quantization=args.quantization)
-    if args.json:
-        print(json.dumps(mem.as_dict()))
-        return 0
-    print(f"DeepSeek V4.1 weights ({mem.quantization}, the rest in {mem.dtype}; vision tower not counted):")
-    print(f"  {'part':<18} {'total':>12} {f'rank at --ep {mem.ep}':>16}")
-    notes = {"backbone": "routed experts split", "engram": "n-gram tables, on every rank", "draft": "DSpark; its experts split"}
-    for name, part in mem.parts.items():
-        print(f"  {name:<18} {_size(part.total_bytes):>12} {_size(part.per_rank_bytes):>16}  ({notes[name]})")
-    print(f"  {'total':<18} {_size(mem.total_bytes):>12} {_size(mem.per_rank_bytes):>16}")
-    print(f"one routed expert: {mem.bytes_per_routed_expert:,} B; one Engram row: {mem.bytes_per_engram_row:,} B")
-    if mem.checkpoint_bytes is not None:
-        print(f"checkpoint on disk (index total_size, vision tower included): {_size(mem.checkpoint_bytes)}")
+        print(f"checkpoint on disk (index total_size, every stored tensor): {_size(mem.checkpoint_bytes)}")
     return 0
 
 

@@ -33,10 +33,10 @@ import torch
 from deepinfer_interfaces import Device
 
 from .errors import ConfigError
-from .model.batch import Batch
-from .model.cache import ModelCache
-from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
-from .model.model import CausalLM
+from .models.common.batch import Batch
+from .models.common.cache import ModelCache
+from .models.common.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
+from .models.common.causal_lm import CausalLM
 
 log = logging.getLogger("deepinfer")
 

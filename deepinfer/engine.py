@@ -27,8 +27,8 @@ from .kv_transfer import PrefilledRequest
 from .kv_transfer.sequence_state import SequenceState
 from .kv_store import BlockWrite, KVStore, PartShape, StoreStats, open_store, store_line
 from .loader import load_tokenizer, read_generation_config
-from .model.config import CSA, ModelConfig
-from .model.config_v41 import check_text_only
+from .models.common.config import ModelConfig
+from .models.registry import check_prompt
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .parallel.expert_parallel import ExpertParallel
@@ -45,7 +45,7 @@ from .structured_output import GrammarCompilerCache, allocate_bitmask
 
 log = logging.getLogger("deepinfer")
 
-BUNDLED_MODEL = Path(__file__).parent / "models" / "tiny-v4"
+BUNDLED_MODEL = Path(__file__).parent / "bundled" / "tiny-v4"
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -57,10 +57,10 @@ def resolve_model_dir(model: str | None) -> Path:
     return BUNDLED_MODEL
 
 
-def text_prompt(prompt: Any) -> str | list[int]:
+def text_prompt(prompt: Any, model_type: str) -> str | list[int]:
     """A prompt as text or token ids: vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` forms are
-    unwrapped; images (``multi_modal_data``, image content parts) are refused in one line."""
-    check_text_only(prompt)
+    unwrapped; what the model cannot read (images, for a text-only family) is refused in one line."""
+    check_prompt(model_type, prompt)
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
     if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)):
@@ -81,24 +81,6 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_model_len: int,
             f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}; "
             "shorten the prompt or raise max_model_len", param,
         )
-
-
-def replay_length(config: ModelConfig, mode: str) -> int:
-    """Tokens recomputed before a prefix hit to rebuild the state that is not cached.
-
-    The sliding-window K=V ring and the compressors' partial windows depend on
-    every earlier token, so they are not content-addressed. ``bounded`` replays
-    the last W tokens (W = the sliding window), their attention seeing only the
-    cached compressed context: fixed cost, approximate. ``exact`` replays the
-    window's receptive field through all layers (W per layer, plus the
-    overlapping compressor's two windows), after which the rebuilt state equals
-    a full prefill's.
-    """
-    w = config.sliding_window
-    if mode == "bounded":
-        return w
-    csa = config.compress_ratio(CSA) if CSA in config.layer_types else 0
-    return config.num_hidden_layers * w + 2 * csa
 
 
 class Engine:
@@ -123,7 +105,7 @@ class Engine:
         if config.kv_store and not config.enable_prefix_caching:
             log.warning("kv_store %s is not used: it serves the prefix cache, which is off; set enable_prefix_caching=True", config.kv_store)
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, plan.num_slots, config.enable_prefix_caching, store=self.store)
-        self.replay_tokens = replay_length(mc, config.swa_replay)
+        self.replay_tokens = mc.replay_length(config.swa_replay)
         proposer = self.runner.proposer
         self.speculation: Speculation | None = None
         if proposer is not None:
@@ -231,7 +213,7 @@ class Engine:
         req = Request(request_id, text, [], SamplingParams())
         self.requests[request_id] = req
         try:
-            prompt = text_prompt(prompt)
+            prompt = text_prompt(prompt, self.runner.config.model_type)
             text = req.prompt = prompt if isinstance(prompt, str) else None
             if params is None:
                 params = SamplingParams()

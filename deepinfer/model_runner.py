@@ -25,18 +25,18 @@ from .config import EngineConfig
 from .decode_graphs import DecodeGraph, DecodeGraphs, default_capture_sizes
 from .errors import ConfigError
 from .kv_transfer.sequence_state import SequenceState, plan_sequence, read_sequence, write_sequence
-from .model.batch import Batch
-from .model.cache import ModelCache
-from .model.cache_spec import CacheGeometry, block_size_for
-from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
-from .model.model import CausalLM
+from .models.common.batch import Batch
+from .models.common.cache import ModelCache
+from .models.common.cache_spec import CacheGeometry, block_size_for
+from .models.common.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
 from .parallel.expert_parallel import ExpertParallel, StepDispatch, StepKind
 from .registry import SelectedBackend
-from .model.dspark import DSparkConfig, DSparkDraft, DSparkRing
+from .models.common.dspark import DSparkConfig, DSparkDraft, DSparkRing
 from .sampler import Sampler, top_logprobs
 from .spec_decode import DSparkProposer, StepCostProfile, verify_drafts
 from .stats import EngineStats
 from .step import DraftProposal, SampledToken, ScheduledSequence, Step, StepResult, chained_drafts
+from .models.registry import load_model
 
 log = logging.getLogger("deepinfer")
 
@@ -146,7 +146,7 @@ class ModelRunner:
         self.stats = stats if stats is not None else EngineStats()
         self.device.manual_seed(cfg.seed)
         started = time.perf_counter()
-        self.model = CausalLM.from_pretrained(
+        self.model = load_model(
             model_dir, self.kernels, dtype=self.dtype, device=self.torch_device, quantization=cfg.quantization, sharding=sharding
         )
         log.info(f"weights: loaded onto {self.torch_device} in {time.perf_counter() - started:.1f} s ({cfg.quantization} quantization)")
@@ -316,7 +316,7 @@ class ModelRunner:
         if cfg.speculative_method is None:
             return None
         from .loader import read_config
-        from .model.dspark import NO_DRAFT
+        from .models.common.dspark import NO_DRAFT
 
         raw = read_config(model_dir)  # the whole file: a V4.1 draft's fields sit in its text_config
         if DSparkConfig.from_hf(raw, self.config) is None:

@@ -272,7 +272,8 @@ _GREEDY = textwrap.dedent(
     """
     import json, sys, torch
     from deepinfer.registry import select_backend
-    from deepinfer.model import Batch, ContiguousCache, DeepseekV4Model
+    from deepinfer.models.common import Batch, ContiguousCache
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from deepinfer_interfaces import Kernels
     from tests.helpers.checkpoints import make_tiny_checkpoint
 

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.model.config import CSA, HCA, ModelConfig
-from deepinfer_ascend.launch import REDUCE_MIN, UNIFIED_BUFFERS, V4_FLASH, KiB
+from deepinfer.models.common.config import CSA, HCA
+from deepinfer_ascend.flash_plans import V4_FLASH
+from deepinfer_ascend.launch import REDUCE_MIN, UNIFIED_BUFFERS, KiB
 from tests.helpers.published import V4_FLASH as V4_FLASH_RELEASE
 from tests.helpers.subprocesses import run_python
+from deepinfer.models.registry import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_FILES = [ROOT / "backends/ascend/deepinfer_ascend" / f"triton_ascend_{k}.py" for k in ("mhc", "indexer", "compressor")]
@@ -41,7 +43,8 @@ def _run(script: str, timeout: float = 300) -> str:
 _PLANS = textwrap.dedent(
     """
     import json, torch
-    from deepinfer_ascend.launch import UNIFIED_BUFFERS, footprint_table, v4_flash_plans
+    from deepinfer_ascend.flash_plans import footprint_table, v4_flash_plans
+    from deepinfer_ascend.launch import UNIFIED_BUFFERS
     out = {"table": footprint_table(), "plans": []}
     for gen in UNIFIED_BUFFERS:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -59,7 +62,7 @@ def v4_plans() -> dict:
 
 
 def test_v4_flash_shapes_are_the_release_config():
-    cfg = ModelConfig.from_hf(V4_FLASH_RELEASE)
+    cfg = parse_config(V4_FLASH_RELEASE)
     assert (V4_FLASH.hidden, V4_FLASH.hc_mult, V4_FLASH.head_dim) == (cfg.hidden_size, cfg.hc_mult, cfg.head_dim)
     assert (V4_FLASH.index_heads, V4_FLASH.index_head_dim) == (cfg.index_n_heads, cfg.index_head_dim)
     assert (V4_FLASH.csa_ratio, V4_FLASH.hca_ratio) == (cfg.compress_ratio(CSA), cfg.compress_ratio(HCA))
@@ -92,7 +95,7 @@ def test_every_kernel_fits_every_generation_at_v4_flash_shapes(v4_plans):
 
 def test_the_docs_report_the_planned_footprints(v4_plans):
     doc = (ROOT / "docs/ascend-bring-up.md").read_text()
-    assert v4_plans["table"] in doc, "regenerate the table: python -c 'from deepinfer_ascend.launch import footprint_table; print(footprint_table())'"
+    assert v4_plans["table"] in doc, "regenerate the table: python -c 'from deepinfer_ascend.flash_plans import footprint_table; print(footprint_table())'"
 
 
 # ---- (b) the kernels against the reference, at padded reduction extents ---------------------

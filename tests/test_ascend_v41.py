@@ -246,7 +246,8 @@ def test_the_reference_a_failed_mhc_pre_falls_back_to_runs_no_part_of_it_fused(c
 _PLANS = textwrap.dedent(
     """
     import json, torch
-    from deepinfer_ascend.launch import UNIFIED_BUFFERS, footprint_table, v41_flash_plans
+    from deepinfer_ascend.flash_plans import footprint_table, v41_flash_plans
+    from deepinfer_ascend.launch import UNIFIED_BUFFERS
     from deepinfer_ascend.triton_ascend_engram import plan_engram_inject
     from deepinfer_ascend.triton_ascend_mhc import channel_block
     out = {"table": footprint_table(plans=v41_flash_plans, model="V4.1-Flash"), "plans": [],
@@ -276,6 +277,6 @@ def test_the_v41_launches_fit_every_generation_and_the_docs_print_their_footprin
     assert got["wide"] is True
     doc = (ROOT / "docs/ascend-bring-up.md").read_text()
     assert got["table"] in doc, (
-        "regenerate: python -c 'from deepinfer_ascend.launch import footprint_table, v41_flash_plans; "
+        "regenerate: python -c 'from deepinfer_ascend.flash_plans import footprint_table, v41_flash_plans; "
         "print(footprint_table(plans=v41_flash_plans, model=\"V4.1-Flash\"))'"
     )

@@ -1,4 +1,4 @@
-"""The bundled checkpoint deepinfer/models/tiny-v4: trained by training/train_tiny.py, loaded by the engine,
+"""The bundled checkpoint deepinfer/bundled/tiny-v4: trained by training/train_tiny.py, loaded by the engine,
 agreeing with transformers, better than a unigram model, and carrying a working DSpark draft."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 
 from deepinfer.engine import BUNDLED_MODEL
 from deepinfer.loader import read_config
-from deepinfer.model import Batch, ContiguousCache, DeepseekV4Model
-from deepinfer.model.dspark import DSparkDraft, DSparkRing
+from deepinfer.models.common import Batch, ContiguousCache
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.models.common.dspark import DSparkDraft, DSparkRing
 from deepinfer_interfaces import Kernels
 
 

@@ -262,7 +262,7 @@ _COMPILE = textwrap.dedent(
     from deepinfer_cuda.compile_check import V4_FLASH, compile_case, enumerate_cases
     from tests.helpers.published import V41_FLASH
 
-    v, text = V4_FLASH.v41, V41_FLASH["text_config"]
+    v, text = V4_FLASH.text, V41_FLASH["text_config"]
     sizes = [[v.engram_ngram, v.engram_heads, v.engram_head_dim, v.engram_columns, v.engram_rows, v.hidden, v.hc_mult],
              [text["engram_max_ngram_size"], text["engram_n_heads"], text["engram_head_dim"],
               (text["engram_max_ngram_size"] - 1) * text["engram_n_heads"], text["engram_num_embeddings"][0],

@@ -25,7 +25,8 @@ _GENERATE = textwrap.dedent(
     """
     import json, sys
     import torch
-    from deepinfer.model import Batch, ContiguousCache, DeepseekV4Model
+    from deepinfer.models.common import Batch, ContiguousCache
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from deepinfer.registry import select_backend
     from deepinfer_interfaces import Kernels
 

@@ -23,6 +23,7 @@ import pytest
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.graph_devices import make_graph_devices
 from tests.helpers.plugins import run_cli
+from deepinfer.models.registry import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,10 +88,9 @@ def _budget(ckpt) -> int:
     """Room for one sequence of max_model_len and a block: the twelve requests preempt each other."""
     import torch
 
-    from deepinfer.model.cache_spec import CacheGeometry, block_size_for
-    from deepinfer.model.config import ModelConfig
+    from deepinfer.models.common.cache_spec import CacheGeometry, block_size_for
 
-    config = ModelConfig.from_pretrained(ckpt)
+    config = load_config(ckpt)
     g = CacheGeometry.build(config, block_size_for(config, 16), 48, 256)
     return 8 * g.bytes_per_slot(torch.float32) + (g.blocks_for(256) + 1) * g.bytes_per_block(torch.float32)
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from deepinfer.errors import CheckpointError, ConfigError
 from deepinfer.loader import read_config
 from deepinfer.loader.names import model_name
-from deepinfer.model.dspark import DSparkConfig, DSparkDraft, DSparkRing, stage_count
-from deepinfer.model.model import DeepseekV4Model
+from deepinfer.models.common.dspark import DSparkConfig, DSparkDraft, DSparkRing, stage_count
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_interfaces import Kernels, QuantizedWeight
 from tests.helpers.published import DSPARK_FIELDS, DSPARK_STAGES, make_published_checkpoint
 

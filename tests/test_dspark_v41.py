@@ -13,13 +13,13 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
 from deepinfer.loader import read_config
 from deepinfer.loader.names import model_name
-from deepinfer.model import CausalLM
-from deepinfer.model.dspark import DSparkConfig, DSparkDraft, DSparkRing
-from deepinfer.model.dspark_v41 import DSparkDraftV41
-from deepinfer.model.layer_v41 import DecoderLayerV41
+from deepinfer.models.common.dspark import DSparkConfig, DSparkDraft, DSparkRing
+from deepinfer.models.deepseek_v41.draft import DSparkDraftV41
+from deepinfer.models.deepseek_v41.layer import DecoderLayerV41
 from deepinfer_interfaces import Kernels
 from tests.helpers.tiny_v41 import write_tiny_v41
 from tests.helpers.tiny_v41_draft import DRAFT_EXPERTS, DRAFT_FIELDS, STAGES, draft_shapes, plant_bigrams, write_tiny_v41_draft
+from deepinfer.models.registry import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,7 +35,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(ckpt):
-    return CausalLM.from_pretrained(ckpt, Kernels(), dtype=torch.float32)
+    return load_model(ckpt, Kernels(), dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_the_config_is_read_from_text_config(ckpt, target, draft):
 
 def test_a_v41_checkpoint_without_draft_stages_declares_none(tmp_path):
     plain = write_tiny_v41(tmp_path / "plain")
-    model = CausalLM.from_pretrained(plain, Kernels(), dtype=torch.float32)
+    model = load_model(plain, Kernels(), dtype=torch.float32)
     assert DSparkConfig.from_hf(read_config(plain), model.config) is None
 
 

@@ -7,11 +7,11 @@ import torch
 
 from deepinfer.errors import ConfigError
 from deepinfer.llm import LLM
-from deepinfer.model.config import ModelConfig
-from deepinfer.model.cache_spec import CacheGeometry, block_size_for
+from deepinfer.models.common.cache_spec import CacheGeometry, block_size_for
 from deepinfer.sampling_params import InvalidRequestError, SamplingParams
 from tests.helpers.checkpoints import BOS_ID, EOS_ID, VOCAB_SIZE, build_hf_model, make_tiny_checkpoint
 from tests.helpers.reference import greedy_alone, load_model
+from deepinfer.models.registry import load_config
 
 MAX_TOKENS = 10
 
@@ -61,7 +61,7 @@ def test_small_chunks_and_mixed_steps(ckpt, prompts, alone):
 
 
 def test_preemption_keeps_outputs_exact(ckpt, prompts, alone):
-    config = ModelConfig.from_pretrained(ckpt)
+    config = load_config(ckpt)
     bs = block_size_for(config, 16)
     step = 16
     max_len = 96

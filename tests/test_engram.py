@@ -15,17 +15,9 @@ from deepinfer.engine import BUNDLED_MODEL
 from deepinfer.errors import CheckpointError, ConfigError
 from deepinfer.loader.safetensors_reader import read_catalog
 from deepinfer.loader.tokenizer import load_tokenizer
-from deepinfer.model.config_v41 import DeepseekV41Config
-from deepinfer.model.engram import (
-    Engram,
-    EngramHasher,
-    EngramLayout,
-    EngramTable,
-    compressed_vocabulary,
-    is_prime,
-    next_prime,
-)
-from deepinfer.model.linear import PLAIN
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer.models.deepseek_v41.engram import Engram, EngramHasher, EngramLayout, EngramTable, compressed_vocabulary, is_prime, next_prime
+from deepinfer.models.common.linear import PLAIN
 from deepinfer_conformance.ops import run_spec
 from deepinfer_cpu.device import CPUDevice
 from deepinfer_interfaces import Kernels

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import load_script
+from deepinfer.models.registry import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,8 +129,7 @@ def _cache_bytes_per_token(config: dict) -> float:
 def test_kv_bytes_per_request_are_the_prompt_times_the_cache_per_token(ep, pd):
     import torch
 
-    from deepinfer.model.cache_spec import CacheGeometry, block_size_for
-    from deepinfer.model.config import ModelConfig
+    from deepinfer.models.common.cache_spec import CacheGeometry, block_size_for
     from tests.helpers.published import V4_FLASH, V41_FLASH
 
     configs = {"DeepSeek-V4-Flash": V4_FLASH, "DeepSeek-V4.1-Flash": V41_FLASH}
@@ -143,7 +143,7 @@ def test_kv_bytes_per_request_are_the_prompt_times_the_cache_per_token(ep, pd):
         assert t.total_bytes == pytest.approx(t.entry_bytes + t.ring_bytes, rel=1e-12)
         assert t.transfer_ms == pytest.approx(t.total_bytes / (sc.link.bw * ep.LINK_EFFICIENCY) * 1e3)
     for name, config in configs.items():  # the engine's cache planner sizes the same state, ring for ring
-        mc = ModelConfig.from_hf(config)
+        mc = parse_config(config)
         geometry = CacheGeometry.build(mc, block_size_for(mc, 256), 1, 1 << 20)
         model = next(m for m in ep.MODELS.values() if m.name == name)
         assert ep.kv_bytes_per_token(ep.KV_FORMATS["bf16"], model) == geometry.bytes_per_token(torch.bfloat16)
@@ -151,9 +151,9 @@ def test_kv_bytes_per_request_are_the_prompt_times_the_cache_per_token(ep, pd):
 
 
 def test_v41_shapes_match_the_engines_config_and_weight_count(ep, tmp_path):
-    from deepinfer.model.config_v41 import DeepseekV41Config
-    from deepinfer.weight_memory_v41 import v41_weight_memory
-    from tests.helpers.published import V41_FLASH
+    from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+    from deepinfer.weight_memory import weight_memory
+    from tests.helpers.published import V41_FLASH, v41_norm_elements
 
     layers = DeepseekV41Config.from_hf(V41_FLASH).text_config.layers()
     assert len(layers) == ep.V41_FLASH.n_layers
@@ -162,9 +162,11 @@ def test_v41_shapes_match_the_engines_config_and_weight_count(ep, tmp_path):
             layer.compress_ratio, layer.owns_kv, layer.runs_indexer, layer.engram_table is not None)
         assert (kind.scores == "candidates") == (layer.candidates == "read")
     (tmp_path / "config.json").write_text(json.dumps(V41_FLASH))
-    backbone = v41_weight_memory(tmp_path).parts["backbone"]
+    backbone = weight_memory(tmp_path).parts["backbone"]
     assert ep.V41_FLASH.routed_bytes == backbone.routed_expert_bytes
-    assert ep.replicated_weight_bytes(ep.V41_FLASH) == backbone.total_bytes - backbone.routed_expert_bytes
+    # the plan counts the norms as stored (BF16); the engine holds them in fp32
+    upcast = 2 * v41_norm_elements()[0]
+    assert ep.replicated_weight_bytes(ep.V41_FLASH) == backbone.total_bytes - backbone.routed_expert_bytes - upcast
     assert ep.V41_FLASH.degrees == (1, 2, 4, 8, 16, 32, 64, 128)  # 384 experts split evenly
 
 

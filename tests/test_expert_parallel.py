@@ -18,7 +18,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
-from deepinfer.model.model import DeepseekV4Model
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.parallel.expert_parallel import EPLBSettings, ExpertParallel, StepDispatch, StepKind
 from deepinfer.weight_memory import weight_memory
 from deepinfer_interfaces import Kernels

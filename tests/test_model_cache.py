@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from deepinfer.errors import DeepInferError
-from deepinfer.model import CSA, HCA, SLIDING, Batch, ContiguousCache, ModelConfig
+from deepinfer.models.common import CSA, HCA, SLIDING, Batch, ContiguousCache
+from deepinfer.models.registry import parse_config
 
 RAW = dict(
     model_type="deepseek_v4", vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
@@ -15,7 +16,7 @@ RAW = dict(
     o_lora_rank=8, sliding_window=8, layer_types=[SLIDING, CSA, HCA],
     compress_rates={CSA: 4, HCA: 16}, index_head_dim=8, partial_rotary_factor=0.5,
 )
-CFG = ModelConfig.from_hf(RAW)
+CFG = parse_config(RAW)
 
 
 def _a(*v: int) -> np.ndarray:

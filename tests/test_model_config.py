@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from deepinfer.errors import ConfigError
-from deepinfer.model import CSA, HCA, SLIDING, ModelConfig
-from deepinfer.model.rope import Rotary
+from deepinfer.models.common import CSA, HCA, SLIDING, ModelConfig
+from deepinfer.models.common.rope import Rotary
+from deepinfer.models.registry import load_config, parse_config
 
 
 BASE = dict(
@@ -52,7 +53,7 @@ def _assert_rope_matches(ours: ModelConfig, raw: dict):
 
 
 def test_legacy_fields_fold_like_transformers():
-    ours = ModelConfig.from_hf(LEGACY)
+    ours = parse_config(LEGACY)
     hf = _hf(LEGACY)
     assert ours.layer_types == hf.layer_types == [SLIDING, CSA, HCA, CSA]
     assert ours.mlp_layer_types == hf.mlp_layer_types == ["hash_moe", "hash_moe", "moe", "moe"]
@@ -64,7 +65,7 @@ def test_legacy_fields_fold_like_transformers():
 
 
 def test_defaults_follow_transformers_schedule():
-    ours = ModelConfig.from_hf(dict(BASE, num_hidden_layers=6))
+    ours = parse_config(dict(BASE, num_hidden_layers=6))
     hf = _hf(dict(BASE, num_hidden_layers=6))
     assert ours.layer_types == hf.layer_types
     assert ours.mlp_layer_types == hf.mlp_layer_types
@@ -81,7 +82,7 @@ def test_nested_yarn_without_attention_factor_uses_mscale():
             "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 8.0, "original_max_position_embeddings": 32},
         },
     )
-    ours = ModelConfig.from_hf(raw)
+    ours = parse_config(raw)
     rot = Rotary(ours.rope_compress, ours.qk_rope_head_dim, ours.max_position_embeddings, "cpu")
     assert rot.attention_scaling == pytest.approx(0.1 * torch.log(torch.tensor(8.0)).item() + 1)
     _assert_rope_matches(ours, raw)
@@ -91,7 +92,7 @@ def test_saved_config_round_trips(tmp_path):
     from tests.helpers.checkpoints import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path, "compressed_yarn")
-    cfg = ModelConfig.from_pretrained(ckpt)
+    cfg = load_config(ckpt)
     assert cfg.layer_types == [HCA, CSA, SLIDING, CSA]
     assert cfg.compress_ratio(HCA) == 16 and cfg.hc_mult == 4 and cfg.swiglu_limit == 0.3
     assert cfg.rope_compress.rope_type == "yarn"
@@ -113,7 +114,7 @@ def test_saved_config_round_trips(tmp_path):
 )
 def test_bad_configs_raise_one_line_errors(raw, words):
     with pytest.raises(ConfigError) as info:
-        ModelConfig.from_hf(raw)
+        parse_config(raw)
     msg = str(info.value)
     assert "\n" not in msg
     for w in words:

@@ -6,10 +6,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer_interfaces.quant import quantize
-from deepinfer.model.batch import Batch
-from deepinfer.model.cache import ContiguousCache
+from deepinfer.models.common.batch import Batch
+from deepinfer.models.common.cache import ContiguousCache
 from tests.helpers.checkpoints import BOS_ID, make_tiny_checkpoint
-from deepinfer.model import DeepseekV4Model
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_interfaces import Kernels
 from tests.helpers.reference import load_model
 

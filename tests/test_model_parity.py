@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from deepinfer.model import Batch, ContiguousCache, DeepseekV4Model
+from deepinfer.models.common import Batch, ContiguousCache
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_interfaces import Kernels
 from tests.helpers.checkpoints import VARIANTS, build_hf_model, make_tiny_checkpoint
 

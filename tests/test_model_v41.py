@@ -17,12 +17,13 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
-from deepinfer.model.config_v41 import IMAGES_REFUSAL
-from deepinfer.model import Batch, CausalLM, ContiguousCache
-from deepinfer.model.inputs import step_inputs
-from deepinfer.model.model_v41 import DeepseekV41Model
+from deepinfer.models.deepseek_v41.prompt import IMAGES_REFUSAL
+from deepinfer.models.common import Batch, ContiguousCache
+from deepinfer.models.common.inputs import step_inputs
+from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 from deepinfer_interfaces import Kernels
 from tests.helpers.tiny_v41 import write_tiny_v41
+from deepinfer.models.registry import load_model, parse_config
 
 PROMPT = [(37 * i + 11) % 4000 + 5 for i in range(70)]
 
@@ -34,7 +35,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(ckpt):
-    return CausalLM.from_pretrained(ckpt, Kernels(), dtype=torch.float32)
+    return load_model(ckpt, Kernels(), dtype=torch.float32)
 
 
 def _logits(model, chunks: list[int], ids=PROMPT, logits="all") -> torch.Tensor:
@@ -54,7 +55,7 @@ def test_loads_the_release_names_with_the_tables_memory_mapped(model):
     names = model.named_parameters()
     assert "model.layers.1.engram.wkv.weight" in names and not any(".engram.embed." in n for n in names)
     table = model.layers[1].engram.table
-    assert table.mapped and table.rows == model.config.v41.engram_num_embeddings[0]
+    assert table.mapped and table.rows == model.config.text.engram_num_embeddings[0]
     roles = [(layer.role.mode, layer.layer_type) for layer in model.layers]
     assert roles == [
         ("sliding", "sliding_attention"), ("sliding", "sliding_attention"), ("full", "shared2.source"),
@@ -65,8 +66,8 @@ def test_loads_the_release_names_with_the_tables_memory_mapped(model):
 
 def test_the_release_storage_loads_kept_quantized_in_32_by_32_blocks(tmp_path):
     ckpt = write_tiny_v41(tmp_path / "fp8", quantized=True)
-    kept = CausalLM.from_pretrained(ckpt, Kernels(), dtype=torch.float32)
-    plain = CausalLM.from_pretrained(ckpt, Kernels(), dtype=torch.float32, quantization="dequantize")
+    kept = load_model(ckpt, Kernels(), dtype=torch.float32)
+    plain = load_model(ckpt, Kernels(), dtype=torch.float32, quantization="dequantize")
     attn = kept.layers[2].attn
     assert attn.wq_b.block == (32, 32) and attn.wq_b.codes.dtype == torch.float8_e4m3fn
     assert kept.layers[2].ffn.w13.fmt == "e2m1" and kept.layers[5].attn.indexer.wq_b.block == (32, 32)
@@ -114,15 +115,15 @@ def test_the_tail_only_prefill_keeps_the_last_logits_and_the_decode_state(model)
 def test_two_level_topk_keeping_every_block_equals_dense_selection(tmp_path, model):
     """With more candidate blocks than a query sees, the candidate mask keeps everything; with few it changes
     the output (so this test would notice a mask that is never applied)."""
-    dense = CausalLM.from_pretrained(write_tiny_v41(tmp_path / "dense", candidate_source_layer_id=-1), Kernels(), dtype=torch.float32)
-    every = CausalLM.from_pretrained(write_tiny_v41(tmp_path / "every", candidate_topk_blocks=1000), Kernels(), dtype=torch.float32)
+    dense = load_model(write_tiny_v41(tmp_path / "dense", candidate_source_layer_id=-1), Kernels(), dtype=torch.float32)
+    every = load_model(write_tiny_v41(tmp_path / "every", candidate_topk_blocks=1000), Kernels(), dtype=torch.float32)
     torch.testing.assert_close(_logits(every, [70]), _logits(dense, [70]), rtol=0, atol=0)
     assert (_logits(model, [70]) - _logits(dense, [70])).abs().max() > 1e-3
 
 
 def test_an_engram_adding_nothing_equals_the_plain_stack(tmp_path):
-    silent = CausalLM.from_pretrained(write_tiny_v41(tmp_path / "silent", engram_value_zero=True), Kernels(), dtype=torch.float32)
-    plain = CausalLM.from_pretrained(write_tiny_v41(tmp_path / "plain", engram_layer_ids=[]), Kernels(), dtype=torch.float32)
+    silent = load_model(write_tiny_v41(tmp_path / "silent", engram_value_zero=True), Kernels(), dtype=torch.float32)
+    plain = load_model(write_tiny_v41(tmp_path / "plain", engram_layer_ids=[]), Kernels(), dtype=torch.float32)
     assert not plain.engram_layers and len(silent.engram_layers) == 2
     torch.testing.assert_close(_logits(silent, [40, 30]), _logits(plain, [70]), rtol=1e-5, atol=1e-5)
 
@@ -154,7 +155,7 @@ def test_engram_hashes_follow_the_ngrams_across_steps(model):
     m, pad = model.token_map, model.pad_id
     want = [[m[5], pad, pad, pad], [m[6], m[5], pad, pad], [m[7], m[6], m[5], pad], [m[9], m[7], m[6], m[5]]]
     assert model.ngrams(step_inputs(batch, cache, "cpu"), cache).tolist() == [[int(t) for t in row] for row in want]
-    h = model.config.v41.engram_n_heads
+    h = model.config.text.engram_n_heads
     assert torch.equal(prefill[3, : 2 * h], prefill[7, : 2 * h])  # bigram (7, 9) and trigram (6, 7, 9) alike
     assert not torch.equal(prefill[3, 2 * h :], prefill[7, 2 * h :])  # the 4-grams differ in their first token
     assert torch.equal(step[0], prefill[12])  # (6, 7, 9, 10) decoded equals it prefilled
@@ -213,9 +214,9 @@ def test_preemption_and_parallel_sampling_keep_outputs(ckpt):
 def _budget(ckpt, slots: int, blocks: int) -> int:
     """The KV budget of ``slots`` sequence slots and ``blocks`` token blocks (prefill chunks of 32, 96 tokens)."""
     from deepinfer.loader import read_config
-    from deepinfer.model import CacheGeometry, ModelConfig, block_size_for
+    from deepinfer.models.common import CacheGeometry, block_size_for
 
-    config = ModelConfig.from_hf(read_config(ckpt))
+    config = parse_config(read_config(ckpt))
     g = CacheGeometry.build(config, block_size_for(config, 16), 32, 96)
     return slots * g.bytes_per_slot(torch.float32) + blocks * g.bytes_per_block(torch.float32)
 
@@ -226,7 +227,7 @@ def test_an_unknown_engram_vocabulary_is_named(tmp_path):
     raw["text_config"]["engram_compressed_vocab_size"] += 1
     (directory / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="engram_compressed_vocab_size is"):
-        CausalLM.from_pretrained(directory, Kernels(), dtype=torch.float32)
+        load_model(directory, Kernels(), dtype=torch.float32)
 
 
 def test_text_prompts_in_vllm_form_run_and_images_are_refused_per_request(ckpt):

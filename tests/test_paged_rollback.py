@@ -3,7 +3,7 @@
 import torch
 
 from deepinfer.llm import LLM
-from deepinfer.model import Batch
+from deepinfer.models.common import Batch
 from tests.helpers.checkpoints import BOS_ID, make_tiny_checkpoint
 
 

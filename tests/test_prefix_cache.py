@@ -6,6 +6,7 @@ import torch
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 from tests.helpers.checkpoints import BOS_ID, byte_tokens, make_tiny_checkpoint
+from deepinfer.models.registry import load_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -69,10 +70,9 @@ def test_short_hits_are_not_adopted(ckpt):
 def test_eviction_under_small_cache_keeps_outputs(ckpt):
     prompts = [[BOS_ID] + byte_tokens(80, s) + byte_tokens(5, 100 + i) for i, s in enumerate([1, 2, 1, 3, 2, 1])]
     off = _serve(_llm(ckpt, enable_prefix_caching=False), prompts)
-    from deepinfer.model.config import ModelConfig
-    from deepinfer.model.cache_spec import CacheGeometry, block_size_for
+    from deepinfer.models.common.cache_spec import CacheGeometry, block_size_for
 
-    config = ModelConfig.from_pretrained(ckpt)
+    config = load_config(ckpt)
     geometry = CacheGeometry.build(config, block_size_for(config, 16), 64, 200)
     per_slot = geometry.bytes_per_slot(torch.float32)
     per_block = geometry.bytes_per_block(torch.float32)

@@ -16,12 +16,12 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import CheckpointError, ConfigError
-from deepinfer.model.model import DeepseekV4Model
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_interfaces import Kernels
 from tests.helpers.checkpoints import BOS_ID
-from deepinfer.model.config import ModelConfig
-from deepinfer.model.linear import QuantPlan
+from deepinfer.models.common.linear import QuantPlan
 from tests.helpers.published import EXPERT_WEIGHTS, FP8_WEIGHTS, V4_FLASH, make_published_checkpoint, release_config, stored_bytes
+from deepinfer.models.registry import parse_config
 
 PROMPT = [BOS_ID] + list(b"A checkpoint as DeepSeek publishes it: FP8 linears, FP4 experts, two shards, ") * 2
 
@@ -198,7 +198,7 @@ def test_fields_the_engine_cannot_honour_are_refused_by_name(published, tmp_path
 def test_v41_checkpoint_is_refused_with_the_reason(published, tmp_path):
     broken = _copy(published, tmp_path / "broken")
     _edit_config(broken, model_type="deepseek_v41")
-    assert "V4.1" in _load_error(broken)
+    assert "'deepseek_v41', not 'deepseek_v4'" in _load_error(broken)
 
 
 def test_cli_reports_a_broken_checkpoint_in_one_line_with_status_2(published, tmp_path):
@@ -239,7 +239,7 @@ def test_inspect_gives_the_bytes_the_loaded_model_holds(published, model):
 
 def test_v4_flash_on_the_meta_device_takes_its_stored_size(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(V4_FLASH))
-    config = ModelConfig.from_hf(dict(V4_FLASH))
+    config = parse_config(dict(V4_FLASH))
     model = DeepseekV4Model(config, Kernels(), dtype=torch.bfloat16, device="meta", plan=QuantPlan.from_config(config))
     held = sum(p.numel() * p.element_size() for p in model.named_parameters().values())
     stored = stored_bytes(V4_FLASH)

@@ -12,12 +12,12 @@ import torch
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
 from deepinfer.engine import BUNDLED_MODEL
 from deepinfer.errors import ConfigError
-from deepinfer.model.cache_spec import CacheGeometry, block_size_for
-from deepinfer.model.config import ModelConfig
+from deepinfer.models.common.cache_spec import CacheGeometry, block_size_for
 from deepinfer.spec_decode import StepCostProfile, admit
 from deepinfer.spec_decode.live_costs import LiveCosts
 from deepinfer_interfaces import Kernels
 from tests.helpers.checkpoints import make_tiny_checkpoint
+from deepinfer.models.registry import load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,7 +40,7 @@ def _prompts() -> list[str]:
 def _budget(speculative: bool) -> int:
     """Cache room for six slots and sixty blocks, so the batch preempts, whether the draft's context rings
     take their share of it or not (the same blocks either way: the same prefix hits and evictions)."""
-    config = ModelConfig.from_pretrained(BUNDLED_MODEL)
+    config = load_config(BUNDLED_MODEL)
     g = CacheGeometry.build(config, block_size_for(config, 16), 48, 320)
     ring = LLM(backend="cpu", max_num_seqs=1, max_model_len=320).engine.runner.plan.draft_bytes_per_slot if speculative else 0
     return 6 * (g.bytes_per_slot(torch.float32) + ring) + 60 * g.bytes_per_block(torch.float32)

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from deepinfer.engine import BUNDLED_MODEL
-from deepinfer.model import Batch, ContiguousCache, DeepseekV4Model, StepLayout, StepShape
-from deepinfer.model.config import CSA, HCA, SLIDING
-from deepinfer.model.inputs import fill_step_inputs, step_inputs
+from deepinfer.models.common import Batch, ContiguousCache, StepLayout, StepShape
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.models.common.config import CSA, HCA, SLIDING
+from deepinfer.models.common.inputs import fill_step_inputs, step_inputs
 from deepinfer_interfaces import Kernels
 from tests.helpers.checkpoints import make_tiny_checkpoint
 

@@ -313,7 +313,7 @@ _SIZES = textwrap.dedent(
     from deepinfer_cuda.compile_check import V4_FLASH
     from tests.helpers.published import V41_FLASH
 
-    v, text = V4_FLASH.v41, V41_FLASH["text_config"]
+    v, text = V4_FLASH.text, V41_FLASH["text_config"]
     source = text["candidate_source_layer_id"]
     got = (v.hidden, v.hc_mult, v.sinkhorn_iters, v.candidate_topk_blocks, v.candidate_block_size, v.candidate_ratio)
     want = (text["hidden_size"], text["hc_mult"], text["hc_sinkhorn_iters"], text["candidate_topk_blocks"],

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.model import Batch, CausalLM, ContiguousCache
+from deepinfer.models.common import Batch, CausalLM, ContiguousCache
 from deepinfer_interfaces import Kernels
 from tests.helpers.tiny_v41 import write_tiny_v41
 from tests.helpers.v41_oracle import OracleResult, oracle_forward
+from deepinfer.models.registry import load_model
 
 #: the default roles (sliding, a ratio-2 group, a ratio-1 group with a candidate source) at inert-quant dims
 DEFAULT = dict(head_dim=24, qk_rope_head_dim=8, index_head_dim=12)
@@ -53,7 +54,7 @@ def case(request, tmp_path_factory) -> tuple[Path, CausalLM, list[int], OracleRe
     overrides, seed, length = CASES[request.param]
     ckpt = write_tiny_v41(tmp_path_factory.mktemp("v41_oracle") / request.param, seed=seed, **overrides)
     ids = _prompt(length, seed)
-    model = CausalLM.from_pretrained(ckpt, Kernels(), dtype=torch.float32)
+    model = load_model(ckpt, Kernels(), dtype=torch.float32)
     return ckpt, model, ids, oracle_forward(ckpt, ids)
 
 
@@ -87,7 +88,7 @@ def test_engine_logits_equal_the_oracle(case):
     # prompts' closest are 5e-6 .. 3e-5); exact ties (scores of exactly 0 after the relu) are broken alike,
     # towards the lower index
     assert oracle.min_margin > 2e-6, f"a near tie in a top-k choice ({oracle.min_margin:.2e}): pick another prompt"
-    v = model.config.v41
+    v = model.config.text
     visible = len(ids)  # ratio-1 entries the last query sees
     assert v.index_topk < len(ids) // 2 and v.candidate_topk_blocks * v.candidate_block_size < visible
     for name, chunks in _schedules(len(ids)).items():

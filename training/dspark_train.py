@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model import DeepseekV4Model
-from deepinfer.model.dspark import DEFAULT_CONTEXT_WINDOW, DSparkConfig, DSparkDraft
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.models.common.dspark import DEFAULT_CONTEXT_WINDOW, DSparkConfig, DSparkDraft
 from deepinfer_interfaces import Kernels
 
 from .data import fixed_windows, random_windows

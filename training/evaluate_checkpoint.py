@@ -1,7 +1,7 @@
 """Measure a trained checkpoint without retraining: held-out perplexity vs the unigram baseline,
 expert load, greedy samples, and (when the checkpoint has one) DSpark acceptance.
 
-    python -m training.evaluate_checkpoint [--model deepinfer/models/tiny-v4] [--report FILE.json]
+    python -m training.evaluate_checkpoint [--model deepinfer/bundled/tiny-v4] [--report FILE.json]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def draft_acceptance(model_dir: Path, hf, heldout_ids: torch.Tensor, eos_id: int
     raw = json.loads((model_dir / "config.json").read_text())
     if "dspark_block_size" not in raw:
         return None
-    from deepinfer.model import DeepseekV4Model
-    from deepinfer.model.dspark import DSparkDraft
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer.models.common.dspark import DSparkDraft
     from deepinfer_interfaces import Kernels
 
     from .dspark_train import acceptance

@@ -28,7 +28,7 @@ from .routing import seed_hash_tables
 from .target import greedy_continue, heldout_metrics, train_target
 from .tokenizer import BOS_TOKEN, EOS_TOKEN, NOISE_TOKEN, save_tokenizer, train_tokenizer
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "deepinfer" / "models" / "tiny-v4"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "deepinfer" / "bundled" / "tiny-v4"
 
 #: (full run, smoke run) settings
 SETTINGS = {

@@ -59,6 +59,7 @@ from deepinfer_interfaces.specs import WARN_FACTOR
 from .ops import dtype_name
 from .results import CaseResult
 from .tolerances import E2ETolerance, e2e_tolerance
+from deepinfer.models.registry import load_model
 
 #: ``(id, text)``: short prompts of different kinds (prose, counting, code, dialogue)
 PROMPTS: tuple[tuple[str, str], ...] = (
@@ -115,9 +116,8 @@ def encode_prompts(model_dir: Path, prompts: Sequence[tuple[str, str]]) -> list[
 
 
 def _load(model_dir: Path, kernels: Kernels, dtype: torch.dtype, device: torch.device):
-    from deepinfer.model.model import CausalLM
 
-    return CausalLM.from_pretrained(model_dir, kernels, dtype=dtype, device=device)
+    return load_model(model_dir, kernels, dtype=dtype, device=device)
 
 
 def step_logprobs(
@@ -139,8 +139,8 @@ def step_logprobs(
     runs eager.
     """
     from deepinfer.decode_graphs import DecodeGraphs
-    from deepinfer.model.batch import Batch
-    from deepinfer.model.cache import ContiguousCache
+    from deepinfer.models.common.batch import Batch
+    from deepinfer.models.common.cache import ContiguousCache
 
     n = len(prompts)
     longest = max(len(p) for p in prompts)

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Protocol, Sequence
 from tokenizers import Tokenizer
 
 from ..errors import ChatFormatError
+from ..models.registry import chat_encoder
 from . import deepseek_v4, jinja_template
 from .messages import Message, is_single_conversation, parse_conversation
 
@@ -117,7 +118,7 @@ def chat_format_for(model_dir: str | Path, tokenizer: Tokenizer, model_type: str
     template = chat_template or jinja_template.find_template(model_dir, config)
     if template:
         return JinjaFormat(template, jinja_template.special_tokens(config))
-    if model_type == "deepseek_v4" and has_v4_chat_tokens(tokenizer):
+    if chat_encoder(model_type) == DeepseekV4Format.name and has_v4_chat_tokens(tokenizer):
         return DeepseekV4Format()
     missing = [t for t in deepseek_v4.CHAT_TOKENS if tokenizer.token_to_id(t) is None]
     why = f"its tokenizer lacks the DeepSeek-V4 chat tokens {', '.join(missing)}" if missing else f"it is a {model_type!r} model"

@@ -1,7 +1,7 @@
 """One sequence's whole cache state as data: what a prefill engine hands a decode engine.
 
 A sequence that has computed positions ``[0, n)`` holds state of two kinds
-(see ``model/cache.py``): token blocks (compressed entries and indexer keys,
+(see ``models/common/cache.py``): token blocks (compressed entries and indexer keys,
 block after block) and per-slot rings (the sliding-window K=V rows, the
 compressors' per-token projections, the Engram token history, and the DSpark
 draft's context). Blocks travel whole. Ring rows travel *by position*: each
@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..model.cache import ModelCache
-from ..model.dspark import DSparkRing
+from ..models.common.cache import ModelCache
+from ..models.common.dspark import DSparkRing
 
 
 @dataclass

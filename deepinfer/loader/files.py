@@ -8,8 +8,6 @@ from typing import Any
 
 from ..errors import CheckpointError
 
-MODEL_TYPE = "deepseek_v4"
-
 
 def model_directory(model_dir: str | Path) -> Path:
     """The model directory as a Path, or a CheckpointError if it is not an existing directory."""
@@ -36,8 +34,9 @@ def read_json(path: Path, what: str) -> Any:
         ) from exc
 
 
-def read_config_json(model_dir: str | Path) -> dict:
-    """The raw config.json of a model directory, as a dict, whatever its ``model_type``."""
+def read_config(model_dir: str | Path) -> dict:
+    """The raw config.json of a model directory, as a dict, whatever its ``model_type`` (the model
+    registry parses it)."""
     path = model_directory(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(
@@ -46,20 +45,6 @@ def read_config_json(model_dir: str | Path) -> dict:
     config = read_json(path, "config file")
     if not isinstance(config, dict):
         raise CheckpointError(f"config file {str(path)!r} holds a JSON {type(config).__name__}, expected an object")
-    return config
-
-
-def read_config(model_dir: str | Path) -> dict:
-    """The raw config.json of a DeepSeek-V4 or V4.1 checkpoint directory, as a dict (a V4.1 one validated,
-    naming a bad field); any other model type is refused."""
-    config = read_config_json(model_dir)
-    model_type = config.get("model_type")
-    if model_type == "deepseek_v41":
-        from ..model.config_v41 import DeepseekV41Config
-
-        DeepseekV41Config.from_hf(config)
-    elif model_type != MODEL_TYPE:
-        raise CheckpointError(f"unknown model_type {model_type!r}: deepinfer runs {MODEL_TYPE} and deepseek_v41 checkpoints")
     return config
 
 

@@ -39,7 +39,7 @@ import torch
 from deepinfer_interfaces import Communicator
 
 from ..errors import ConfigError
-from ..model.moe import ExpertCompute, MoE
+from ..models.common.moe import ExpertCompute, MoE
 from .eplb import LoadWindow, plan
 from .placement import ExpertPlacement
 

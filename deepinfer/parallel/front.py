@@ -23,7 +23,7 @@ from ..errors import ConfigError, RankFailure
 from ..kv_store import store_line
 from ..kv_transfer.sequence_state import PrefilledRequest
 from ..loader import load_tokenizer, read_config
-from ..model.config import ModelConfig
+from ..models.common.config import ModelConfig
 from ..outputs import RequestOutput
 from ..registry import select_backend
 from ..sampling_params import InvalidRequestError, SamplingParams
@@ -32,6 +32,7 @@ from .launch import SpawnedGroup, spawn_ranks
 from .placement import ExpertPlacement
 from .protocol import Abort, AddRequest, Command, FlushCache, Metrics, PackedState, RankReport, Shutdown, Tick
 from .rank_server import RankServer
+from ..models.registry import parse_config
 
 #: signals that stop a process from outside (a kill, not a crash)
 _KILL_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
@@ -113,7 +114,7 @@ class ExpertParallelEngine:
     def __init__(self, config: EngineConfig, server: RankServer | None = None) -> None:
         self.config = config
         model_dir = resolve_model_dir(config.model)
-        self.model_config = ModelConfig.from_hf(read_config(model_dir))
+        self.model_config = parse_config(read_config(model_dir))
         self.tokenizer = load_tokenizer(model_dir)
         self.world = config.expert_parallel_size if server is None else server.world
         self.requests: dict[str, RemoteRequest] = {}

@@ -5,11 +5,11 @@ from __future__ import annotations
 from ..config import EngineConfig
 from ..engine import Engine, resolve_model_dir
 from ..loader import read_config
-from ..model.config import ModelConfig
 from ..registry import select_backend
 from .expert_parallel import EPLBSettings, ExpertParallel
 from .launch import RankPlace
 from .rank_server import RankServer, control_group
+from ..models.registry import parse_config
 
 
 def eplb_settings(config: EngineConfig, num_nodes: int = 1) -> EPLBSettings:
@@ -26,7 +26,7 @@ def build_rank(config: EngineConfig, place: RankPlace, control_timeout_s: float 
         backend.device.set_device(place.local_rank)
     comm = backend.make_communicator(place.rank, place.world_size, place.init_method, timeout_s=config.ep_timeout_s)
     group = control_group(control_timeout_s or config.ep_timeout_s)
-    model_config = ModelConfig.from_hf(read_config(resolve_model_dir(config.model)))
+    model_config = parse_config(read_config(resolve_model_dir(config.model)))
     sharding = ExpertParallel(
         comm, model_config.num_hidden_layers, model_config.n_routed_experts, model_config.num_experts_per_tok,
         backend.device.torch_device, eplb_settings(config, place.num_nodes),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.dspark import DSparkDraft, DSparkRing
+from ..models.common.dspark import DSparkDraft, DSparkRing
 from ..sampler import Sampler
 from ..step import DraftProposal, SampledToken, ScheduledSequence, Step
 

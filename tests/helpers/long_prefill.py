@@ -24,10 +24,10 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.outputs import RequestOutput
-from deepinfer.model import CausalLM
-from deepinfer.model.batch import Batch
-from deepinfer.model.cache import ContiguousCache
+from deepinfer.models.common.batch import Batch
+from deepinfer.models.common.cache import ContiguousCache
 from deepinfer_interfaces import Kernels
+from deepinfer.models.registry import load_model
 
 #: the KV budget and length limit every run shares, so that only the prompt length differs
 KV_BUDGET = 96 << 20
@@ -131,8 +131,8 @@ def engine_run(
 
 def parity_run(ckpt: str, tokens: int, tail: int) -> dict:
     """Logits of the last position, computed tiled and untiled over the same compressed state."""
-    tiled = CausalLM.from_pretrained(ckpt, Kernels(), dtype=torch.float32)
-    untiled = CausalLM.from_pretrained(ckpt, UntiledKernels(), dtype=torch.float32)
+    tiled = load_model(ckpt, Kernels(), dtype=torch.float32)
+    untiled = load_model(ckpt, UntiledKernels(), dtype=torch.float32)
     cache = ContiguousCache(tiled.config, 1, tokens + 16, max_step_tokens=CHUNK, dtype=torch.float32)
     slot = cache.allocate()
     ids = prompt(tokens)

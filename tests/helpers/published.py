@@ -402,3 +402,16 @@ V41_CHECKPOINT_BYTES = 510_286_023_000
 V41_DRAFT_PARAMS = 13_589_544_960 + 106_168_320 + 66_191_360 + 463_457_890
 #: the vision tower and aligner, as stored (BF16), which inspect leaves out
 V41_VISION_PARAMS = 485_268_480
+
+
+def v41_norm_elements(text: dict[str, Any] = V41_FLASH["text_config"]) -> tuple[int, int]:
+    """Elements of the norms (and the draft's confidence head) a V4.1 checkpoint stores in BF16 and the
+    engine holds in fp32: (backbone, draft). Per layer the kv, q, attention and FFN norms; per KV source the
+    compressor's and the indexer key's; the final norm; per draft stage the same four, then the draft's
+    main and last norms and its confidence head."""
+    d, hd, q = text["hidden_size"], text["head_dim"], text["q_lora_rank"]
+    per_layer = hd + q + 2 * d
+    sources = len(text["kv_source_layer_ids"])
+    backbone = text["num_hidden_layers"] * per_layer + sources * (hd + text["index_head_dim"]) + d
+    draft = text["num_nextn_predict_layers"] * per_layer + 2 * d + d + text["dspark_markov_rank"]
+    return backbone, draft

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.model.batch import Batch
-from deepinfer.model.cache import ContiguousCache
-from deepinfer.model.model import DeepseekV4Model
+from deepinfer.models.common.batch import Batch
+from deepinfer.models.common.cache import ContiguousCache
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_interfaces import Kernels
 
 

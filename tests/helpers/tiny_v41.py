@@ -19,8 +19,8 @@ import torch
 
 from deepinfer.engine import BUNDLED_MODEL
 from deepinfer.loader.tokenizer import load_tokenizer
-from deepinfer.model.config_v41 import DeepseekV41Config
-from deepinfer.model.engram import EngramLayout, compressed_vocabulary
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer.models.deepseek_v41.engram import EngramLayout, compressed_vocabulary
 from deepinfer_interfaces import Kernels
 
 TEXT: dict[str, Any] = dict(
@@ -101,7 +101,7 @@ def write_tiny_v41(
     ``quantized``: stored as the release stores them (``QUANTIZATION``, top-level ``quantization_config``)."""
     from safetensors.torch import save_file
 
-    from deepinfer.model.model_v41 import DeepseekV41Model
+    from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -19,14 +19,14 @@ import torch
 from deepinfer_interfaces import Kernels, QuantizedWeight
 from deepinfer_interfaces.quant import grid_shape
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from .config import ModelConfig
 from .params import ParamTree
 
 #: the weight roles of one layer that the release quantizes to FP8 (routed experts follow ``expert_dtype``)
 FP8_ROLES = (
     "attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
-    "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3",
+    "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3", "engram.wkv",
 )
 EXPERTS = "ffn.experts"
 #: DeepSeek's FP4 experts: one scale per 32 columns of a row

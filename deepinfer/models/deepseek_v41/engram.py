@@ -52,11 +52,11 @@ import torch
 
 from deepinfer_interfaces import Kernels
 
-from ..errors import CheckpointError, ConfigError
-from ..loader.safetensors_reader import HEADER_DTYPES, TensorEntry
-from .config_v41 import V41TextConfig
-from .linear import PLAIN, Storage, linear, linear_param
-from .params import ParamTree
+from ...errors import CheckpointError, ConfigError
+from ...loader.safetensors_reader import HEADER_DTYPES, TensorEntry
+from .text_config import V41TextConfig
+from ..common.linear import PLAIN, Storage, linear, linear_param
+from ..common.params import ParamTree
 
 INT64_MAX = 2**63 - 1
 #: the per-layer seed of the multipliers is this prime times the layer id

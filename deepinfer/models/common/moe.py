@@ -64,17 +64,15 @@ class MoE(ParamTree):
         self.scoring = c.scoring_func
         self.limit = c.swiglu_limit
         self.gate_temp = c.gate_temp
-        # transformers' V4 router always renormalises the chosen weights (norm_topk_prob is not read); V4.1's
-        # renormalises when norm_topk_prob is set and it picks more than one expert
-        self.renormalize = c.v41 is None or (c.norm_topk_prob and c.num_experts_per_tok > 1)
+        self.renormalize = c.renormalize_topk
         self.bias: torch.Tensor | None = None
         self.tid2eid: torch.Tensor | None = None
         if hash_routed:
             self.tid2eid = self.param("gate.tid2eid", (c.vocab_size, c.num_experts_per_tok), torch.int64)
         else:
             self.bias = self.param("gate.bias", (e,), torch.float32)
-        if c.v41 is not None:
-            # V4.1's router bias for image tokens: loaded with the checkpoint, unused for text
+        if c.router_image_bias:
+            # the router bias for image tokens: loaded with the checkpoint, unused for text
             self.bias_vl = self.param("gate.bias_vl", (e,), torch.float32)
         experts = plan.storage(EXPERTS)
         if experts.quantized and i % experts.block[0]:

@@ -6,12 +6,10 @@ read, and token blocks holding compressed entries (and indexer keys). The
 formulas live here once; pools are allocated from these numbers and the
 planner's budget is their sum.
 
-A cache kind is what a group of layers keeps: in DeepSeek V4 one per attention
-type (sliding, CSA, HCA). In V4.1 the compressed KV and indexer keys of a ratio
-are owned by its KV source layers and read by the layers after them, so a
-ratio has two kinds: ``shared{r}.source`` (window, compressor state, entries)
-and ``shared{r}.reader`` (its window only). A reader's window ring lives in
-its source's pool, after the entries, so one gather reads both.
+A cache kind is what a group of layers keeps; each model family names its
+kinds and sizes them (``ModelConfig.cache_geometry``, in the family's
+``cache.py``). A layer's window ring may live in another layer's pool
+(``window_pools``), after its entries, so one gather reads both.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import CSA, SLIDING, ModelConfig
+from .config import ModelConfig
 
 
 def block_size_for(config: ModelConfig, requested: int) -> int:
@@ -56,6 +54,8 @@ class LayerCacheSpec:
     entry_kind: str | None = None
     #: compressor-ring positions a sequence carries from one step to the next (the rest is room for a step's tokens)
     state_keep: int = 0
+    #: each entry also pools the previous window (overlapping compression, V4's CSA)
+    overlap: bool = False
 
     @property
     def compressed(self) -> bool:
@@ -64,11 +64,6 @@ class LayerCacheSpec:
     @property
     def owns_entries(self) -> bool:
         return self.entry_kind == self.layer_type
-
-    @property
-    def overlap(self) -> bool:
-        """Whether each entry also pools the previous window (compressed sparse attention)."""
-        return self.layer_type == CSA
 
     @property
     def rows_per_block(self) -> int:
@@ -131,27 +126,7 @@ class CacheGeometry:
         if block_size % math.lcm(1, *config.ratios):
             raise ValueError(f"block size {block_size} is not a multiple of every compress ratio; use block_size_for()")
         step = min(max_step_tokens, max_len)
-        if config.v41 is not None:
-            return _build_v41(config, block_size, step, max_len)
-        w = config.sliding_window
-        specs: dict[str, LayerCacheSpec] = {}
-        for lt in dict.fromkeys(config.layer_types):
-            m = config.compress_ratio(lt)
-            overlap = 2 if lt == CSA else 1
-            specs[lt] = LayerCacheSpec(
-                layer_type=lt,
-                ratio=m,
-                head_dim=config.head_dim,
-                index_head_dim=config.index_head_dim if lt == CSA else 0,
-                window_rows=min(w - 1 + step, max_len),
-                state_rows=min(overlap * m - 1 + step, max_len) if m else 0,
-                state_width=config.head_dim * overlap if m else 0,
-                index_state_width=2 * config.index_head_dim if lt == CSA else 0,
-                entries_per_block=block_size // m if m else 0,
-                entry_kind=lt if m else None,
-                state_keep=overlap * m - 1 if m else 0,
-            )
-        return cls(block_size, step, max_len, w, specs, tuple(config.layer_types))
+        return config.cache_geometry(block_size, step, max_len)
 
     @property
     def window_rows(self) -> int:
@@ -192,55 +167,3 @@ class CacheGeometry:
     def pool_bytes(self, num_slots: int, num_blocks: int, dtype: torch.dtype) -> int:
         """What a cache of ``num_slots`` slots and ``num_blocks`` blocks allocates."""
         return num_slots * self.bytes_per_slot(dtype) + num_blocks * self.bytes_per_block(dtype)
-
-
-def v41_kind(layer) -> str:
-    """The cache kind of a V4.1 layer (a ``V41Layer``): sliding, or its ratio's source or reader kind."""
-    m = layer.compress_ratio
-    if not m:
-        return SLIDING
-    return f"shared{m}.source" if layer.owns_kv else f"shared{m}.reader"
-
-
-def _build_v41(config: ModelConfig, block_size: int, step: int, max_len: int) -> CacheGeometry:
-    """DeepSeek V4.1: per ratio a source kind (window, compressor state unless the ratio is 1, entries and
-    indexer keys) and a reader kind (window only, in its source's pool)."""
-    v = config.v41
-    w = config.sliding_window
-    window = min(w - 1 + step, max_len)
-    specs: dict[str, LayerCacheSpec] = {}
-    kinds: list[str] = []
-    pools: list[tuple[int, int]] = []
-    members: dict[int, int] = {}
-    for layer in v.layers():
-        m = layer.compress_ratio
-        kind = v41_kind(layer)
-        if not m:
-            specs.setdefault(kind, LayerCacheSpec(kind, 0, config.head_dim, 0, window, 0, 0, 0, 0))
-            pools.append((layer.index, 0))
-        else:
-            source = f"shared{m}.source"
-            owner = layer.index if layer.owns_kv else layer.kv_source
-            state = min(m - 1 + step, max_len) if m > 1 else 0
-            specs.setdefault(kind, LayerCacheSpec(
-                layer_type=kind,
-                ratio=m,
-                head_dim=config.head_dim,
-                index_head_dim=config.index_head_dim if layer.owns_kv else 0,
-                window_rows=window,
-                state_rows=state if layer.owns_kv else 0,
-                state_width=config.head_dim if layer.owns_kv and state else 0,
-                index_state_width=0,
-                entries_per_block=block_size // m if layer.owns_kv else 0,
-                entry_kind=source,
-                state_keep=m - 1 if layer.owns_kv and state else 0,
-            ))
-            pools.append((owner, members.get(owner, 0)))
-            members[owner] = members.get(owner, 0) + 1
-        kinds.append(kind)
-    n_gram = v.engram_max_ngram_size if v.engram_layer_ids else 0
-    history = min(n_gram - 1 + step, max_len) if n_gram else 0
-    n = config.num_hidden_layers
-    last_source = max(v.kv_source_layer_ids, default=n - 1)
-    tail = tuple((n - layer) * (w - 1) + 1 for layer in range(last_source + 1, n))
-    return CacheGeometry(block_size, step, max_len, w, specs, tuple(kinds), tuple(pools), True, history, n_gram, tail)

@@ -13,25 +13,26 @@ import torch
 
 from deepinfer_interfaces import Kernels
 
-from .attention_v41 import SharedAttention, SharedIndices
-from .cache import ModelCache
-from .cache_spec import v41_kind
-from .config import ModelConfig
-from .config_v41_text import V41Layer
-from .engram import Engram, EngramTable
-from .layer import HyperConnection
-from .linear import QuantPlan
-from .metadata import LayerMeta
-from .moe import ExpertSharding, MoE
-from .params import ParamTree
+from .attention import SharedAttention, SharedIndices
+from ..common.cache import ModelCache
+from .cache import v41_kind
+from ..common.config import ModelConfig
+from .text_config import V41Layer
+from .engram import TABLE_STORAGE, Engram, EngramTable
+from ..common.layer import HyperConnection
+from ..common.linear import QuantPlan, Storage
+from ..common.metadata import LayerMeta
+from ..common.moe import ExpertSharding, MoE
+from ..common.params import ParamTree
 
 
 class DecoderLayerV41(ParamTree):
     def __init__(
         self, config: ModelConfig, layer: V41Layer, dtype: torch.dtype, device, plan: QuantPlan,
-        sharding: ExpertSharding | None = None, table: EngramTable | None = None,
+        sharding: ExpertSharding | None = None, table: EngramTable | None = None, table_storage: Storage = TABLE_STORAGE,
     ) -> None:
-        """``table``: this layer's Engram table, memory-mapped (None: held as parameters the loader fills)."""
+        """``table``: this layer's Engram table, memory-mapped (None: held as parameters the loader fills, as
+        ``table_storage``)."""
         super().__init__(device)
         self.index = layer.index
         self.role = layer
@@ -47,7 +48,8 @@ class DecoderLayerV41(ParamTree):
         self.engram: Engram | None = None
         if layer.engram_table is not None:
             self.engram = self.child("engram", Engram(
-                config.v41, layer.index, dtype, device, table=table, wkv_storage=plan.storage("engram.wkv"),
+                config.text, layer.index, dtype, device, table=table, wkv_storage=plan.storage("engram.wkv"),
+                table_storage=table_storage,
             ))
 
     def __call__(

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
-from .config_v41_text import V41Layer
-from .dspark import DSparkDraft
-from .layer_v41 import DecoderLayerV41
-from .linear import QuantPlan, linear
-from .params import ParamTree
+from ..common.config import ModelConfig
+from .text_config import V41Layer
+from ..common.dspark import DSparkDraft
+from .layer import DecoderLayerV41
+from ..common.linear import QuantPlan, linear
+from ..common.params import ParamTree
 
 #: a draft stage's role: its own layer, sliding window only, no Engram table
 STAGE_ROLE = V41Layer(index=0, compress_ratio=0, kv_source=None, index_source=None, candidates=None, engram_table=None)

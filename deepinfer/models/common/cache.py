@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import DeepInferError
+from ...errors import DeepInferError
 from .batch import Batch
 from .cache_spec import CacheGeometry, LayerCacheSpec, block_size_for
 from .config import ModelConfig

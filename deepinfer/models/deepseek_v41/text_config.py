@@ -1,7 +1,6 @@
 """DeepSeek V4.1's ``text_config``: the backbone, its shared-KV attention schedule, Engram tables and draft.
 
-Kept apart from ``config_v41`` (the composite config) so that ``ModelConfig`` can
-hold it without an import cycle.
+``config.py`` holds the composite ``config.json`` around it and the engine's ``V41ModelConfig``.
 """
 
 from __future__ import annotations

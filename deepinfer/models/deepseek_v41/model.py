@@ -12,16 +12,17 @@ import torch
 
 from deepinfer_interfaces import Kernels
 
-from .attention_v41 import SharedIndices
-from .cache import ModelCache
-from .config import ModelConfig
-from .engram import TABLE_KEYS, EngramHasher, EngramLayout, EngramTable, compressed_vocabulary
-from .inputs import ForwardInputs
-from .layer_v41 import DecoderLayerV41
-from .linear import QuantPlan
-from .metadata import build_layer_metas
-from .model import CausalLM
-from .moe import ExpertSharding
+from .attention import SharedIndices
+from ..common.cache import ModelCache
+from .config import V41ModelConfig
+from .draft import DSparkDraftV41
+from .engram import TABLE_KEYS, TABLE_STORAGE, EngramHasher, EngramLayout, EngramTable, compressed_vocabulary
+from ..common.inputs import ForwardInputs
+from .layer import DecoderLayerV41
+from ..common.linear import PLAIN, QuantPlan, Storage
+from ..common.metadata import build_layer_metas
+from ..common.causal_lm import CausalLM
+from ..common.moe import ExpertSharding
 
 
 class DeepseekV41Model(CausalLM):
@@ -29,9 +30,12 @@ class DeepseekV41Model(CausalLM):
     those the ``plan`` keeps quantized. The Engram layers need the tokenizer's compressed vocabulary
     (``loaded`` builds it from the checkpoint directory, or call ``bind_engram``)."""
 
+    config_class = V41ModelConfig
+    draft_class = DSparkDraftV41
+
     def __init__(
         self,
-        config: ModelConfig,
+        config: V41ModelConfig,
         kernels: Kernels,
         *,
         dtype: torch.dtype = torch.bfloat16,
@@ -39,17 +43,18 @@ class DeepseekV41Model(CausalLM):
         plan: QuantPlan | None = None,
         sharding: ExpertSharding | None = None,
         tables: dict[int, EngramTable] | None = None,
+        table_storage: Storage = TABLE_STORAGE,
     ) -> None:
         """``tables``: the Engram tables by layer, memory-mapped from the checkpoint (``from_pretrained``);
-        None: held as parameters the loader fills (small models)."""
-        if config.v41 is None:
-            raise ValueError("DeepseekV41Model needs a DeepSeek V4.1 config (ModelConfig.v41)")
+        None: held as parameters the loader fills (small models), as ``table_storage``."""
+        if not isinstance(config, V41ModelConfig):
+            raise ValueError(f"DeepseekV41Model needs a DeepSeek V4.1 config (V41ModelConfig), not {type(config).__name__}")
         super().__init__(config, kernels, dtype=dtype, device=device, plan=plan, sharding=sharding)
         c = config
         self.mapped_tables = tables is not None
         tables = tables or {}
         self.layers = [
-            DecoderLayerV41(c, role, dtype, device, self.plan, sharding, tables.get(role.index)) for role in c.v41.layers()
+            DecoderLayerV41(c, role, dtype, device, self.plan, sharding, tables.get(role.index), table_storage) for role in c.text.layers()
         ]
         for layer in self.layers:
             self.body.child(f"layers.{layer.index}", layer)
@@ -61,20 +66,29 @@ class DeepseekV41Model(CausalLM):
         self.pad_id = 0
 
     @classmethod
-    def checkpoint_kwargs(cls, config: ModelConfig, checkpoint) -> dict:
+    def checkpoint_kwargs(cls, config: V41ModelConfig, checkpoint) -> dict:
         """The Engram tables, memory-mapped from the checkpoint's files (never loaded whole)."""
-        return {"tables": {i: EngramTable.from_catalog(checkpoint.catalog, i) for i in config.v41.engram_layer_ids}}
+        return {"tables": {i: EngramTable.from_catalog(checkpoint.catalog, i) for i in config.text.engram_layer_ids}}
+
+    @classmethod
+    def inventory_kwargs(cls, quantized: bool) -> dict:
+        """The Engram tables as parameters: FP8 rows as the release stores them, or dequantized."""
+        return {"table_storage": TABLE_STORAGE if quantized else PLAIN}
+
+    def inventory_part(self, name: str) -> str:
+        """The Engram tables apart: one copy per rank, never split by expert parallelism."""
+        return "engram" if ".engram." in name and name.endswith(TABLE_KEYS) else "backbone"
 
     def loaded(self, checkpoint) -> None:
         """Hash the n-grams with the checkpoint's tokenizer."""
         if self.engram_layers:
-            from ..loader.tokenizer import load_tokenizer
+            from ...loader.tokenizer import load_tokenizer
 
             self.bind_engram(load_tokenizer(checkpoint.directory))
 
     def bind_engram(self, tokenizer) -> None:
         """Build the n-gram hashing from ``tokenizer`` (its compressed vocabulary must be the config's size)."""
-        v = self.config.v41
+        v = self.config.text
         lookup, _ = compressed_vocabulary(tokenizer, v.engram_compressed_vocab_size)
         table = torch.zeros(max(self.config.vocab_size, len(lookup)), dtype=torch.int64)
         table[: len(lookup)] = torch.from_numpy(lookup)

@@ -1,11 +1,11 @@
-"""The DeepSeek-V4 model: config, batch, cache and its geometry, step inputs and the network itself."""
+"""What every model family shares: the config base, batch, cache and its geometry, step inputs, the causal LM base."""
 
 from .batch import Batch
 from .cache import COMPRESSOR, INDEXER, ContiguousCache, ModelCache
 from .cache_spec import CacheGeometry, LayerCacheSpec, block_size_for
 from .config import CSA, HCA, SLIDING, ModelConfig, RopeParams
 from .inputs import ForwardInputs, StepLayout, StepShape
-from .model import CausalLM, DeepseekV4Model
+from .causal_lm import CausalLM
 
 __all__ = [
     "Batch",
@@ -22,7 +22,6 @@ __all__ = [
     "SLIDING",
     "ContiguousCache",
     "CausalLM",
-    "DeepseekV4Model",
     "ModelCache",
     "ModelConfig",
     "RopeParams",

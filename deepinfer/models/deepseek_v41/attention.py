@@ -26,13 +26,13 @@ import torch
 
 from deepinfer_interfaces import Kernels
 
-from .attention import LatentAttention
-from .cache import COMPRESSOR, ModelCache
-from .config import ModelConfig
-from .config_v41_text import V41Layer
-from .linear import FusedProjection, ProjectionPart, QuantPlan, linear, linear_param
-from .metadata import LayerMeta
-from .params import ParamTree
+from ..common.attention import LatentAttention
+from ..common.cache import COMPRESSOR, ModelCache
+from ..common.config import ModelConfig
+from .text_config import V41Layer
+from ..common.linear import FusedProjection, ProjectionPart, QuantPlan, linear, linear_param
+from ..common.metadata import LayerMeta
+from ..common.params import ParamTree
 
 
 @dataclass
@@ -92,7 +92,7 @@ class SharedIndexer(ParamTree):
 
     def __init__(self, config: ModelConfig, layer: V41Layer, dtype: torch.dtype, device, plan: QuantPlan, role: str) -> None:
         super().__init__(device)
-        c, v = config, config.v41
+        c, v = config, config.text
         self.plan, self.role = plan, role
         self.heads, self.dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
         self.eps = c.rms_norm_eps

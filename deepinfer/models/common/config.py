@@ -1,34 +1,25 @@
-"""The model's configuration, parsed from a checkpoint's HF ``config.json``.
+"""What every model family's configuration holds: the backbone's shape, its rotary and quantization.
 
-Both the current transformers layout (``layer_types``, ``mlp_layer_types``,
-``compress_rates``, nested ``rope_parameters``) and the fields DeepSeek's
-release ships (``compress_ratios`` with its trailing entry for the draft
-layer, ``compress_rate_csa`` / ``compress_rate_hca``, ``num_hash_layers``,
-``qk_rope_head_dim``, ``rope_scaling``, ``expert_dtype``,
-``quantization_config``, ``topk_method``) are accepted and folded the way
-transformers folds them; what the engine cannot honour is refused by name.
+A family subclasses ``ModelConfig`` (its ``config.json`` parser, its cache
+geometry, its replay length and draft fields); shared code reads only the
+fields and methods declared here.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from ..errors import ConfigError
-from .config_v41_text import V41TextConfig
+from ...errors import ConfigError
+
+if TYPE_CHECKING:
+    from .cache_spec import CacheGeometry
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
-#: DeepSeek V4.1's compressed layers: compressed KV and indexer keys shared from a source layer (CSA2)
-SHARED = "shared_compressed_attention"
-LAYER_TYPES = (SLIDING, CSA, HCA, SHARED)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
-SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
-_DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
-_DEFAULT_NUM_HASH_LAYERS = 3
 
 
 class RopeParams(BaseModel):
@@ -98,11 +89,14 @@ class QuantizationConfig(BaseModel):
 
 
 class ModelConfig(BaseModel):
-    """What the DeepSeek-V4 model needs to know about its shape."""
+    """What shared code needs to know about a model's shape; each family's subclass parses its ``config.json``."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, protected_namespaces=())
 
-    model_type: str = "deepseek_v4"
+    #: the attention layer types a family's ``layer_types`` may hold
+    LAYER_TYPES: ClassVar[tuple[str, ...]] = (SLIDING, CSA, HCA)
+
+    model_type: str
     vocab_size: int
     hidden_size: int
     moe_intermediate_size: int
@@ -142,15 +136,17 @@ class ModelConfig(BaseModel):
     rope_compress: RopeParams
     #: None: an unquantized checkpoint
     quantization: QuantizationConfig | None = None
-    #: router logits are divided by it before scoring (DeepSeek V4.1)
+    #: router logits are divided by it before scoring
     gate_temp: float = 1.0
-    #: a DeepSeek V4.1 checkpoint's text config: its per-layer KV / index / Engram roles (None for V4)
-    v41: V41TextConfig | None = None
+    #: the routed experts' weights are renormalised to sum to one after top-k
+    renormalize_topk: bool = True
+    #: the router keeps a second correction bias for image positions (``gate.bias_vl``)
+    router_image_bias: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
         n = self.num_hidden_layers
-        for name, types, allowed in (("layer_types", self.layer_types, LAYER_TYPES), ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES)):
+        for name, types, allowed in (("layer_types", self.layer_types, self.LAYER_TYPES), ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES)):
             if len(types) != n:
                 raise ValueError(f"{name} has {len(types)} entries but num_hidden_layers is {n}; give one per layer")
             bad = sorted({t for t in types if t not in allowed})
@@ -167,21 +163,14 @@ class ModelConfig(BaseModel):
         for t in (CSA, HCA):
             if t in self.layer_types and self.compress_rates.get(t, 0) <= 0:
                 raise ValueError(f"compress_rates[{t!r}] must be a positive integer")
-        if (SHARED in self.layer_types) != (self.v41 is not None):
-            raise ValueError(f"layer type {SHARED!r} is DeepSeek V4.1's and needs its text config (and only it)")
         return self
 
     def compress_ratio(self, layer_type: str) -> int:
-        """Source tokens per compressed entry of ``layer_type`` (0 for sliding-window layers); V4.1's
-        shared layers have one ratio per layer (``layer_ratio``)."""
-        if layer_type == SHARED:
-            raise ValueError(f"{SHARED} layers have a ratio per layer; use layer_ratio(i)")
+        """Source tokens per compressed entry of ``layer_type`` (0 for sliding-window layers)."""
         return 0 if layer_type == SLIDING else self.compress_rates[layer_type]
 
     def layer_ratio(self, layer: int) -> int:
         """Source tokens per compressed entry of layer ``layer`` (0: sliding window only)."""
-        if self.v41 is not None:
-            return self.v41.compress_ratios[layer]
         return self.compress_ratio(self.layer_types[layer])
 
     @property
@@ -195,76 +184,35 @@ class ModelConfig(BaseModel):
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Parse a raw ``config.json`` mapping; bad or unsupported values raise ``ConfigError``."""
-        model_type = raw.get("model_type")
-        if model_type == "deepseek_v41":
-            from .config_v41 import DeepseekV41Config
+        """Parse a raw ``config.json`` mapping of this family; bad values raise ``ConfigError``."""
+        raise NotImplementedError(f"{cls.__name__} parses no config.json; use deepinfer.models.registry.parse_config")
 
-            return DeepseekV41Config.from_hf(raw).to_model_config()
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"config.json has model_type {model_type!r}, which this engine does not run; "
-                f"use a checkpoint with model_type {' or '.join(map(repr, SUPPORTED_MODEL_TYPES))}"
-            )
-        try:
-            return cls.model_validate(_fold_legacy(dict(raw)))
-        except ValidationError as exc:
-            raise invalid_config("DeepSeek-V4", exc) from None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid DeepSeek-V4 config.json: {exc}") from None
+    def cache_geometry(self, block_size: int, step: int, max_len: int) -> "CacheGeometry":
+        """The family's cache kinds and ring sizes for steps of ``step`` tokens (``CacheGeometry.build``)."""
+        raise NotImplementedError(f"{type(self).__name__} describes no cache geometry")
 
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
-        """Read and parse ``model_dir/config.json``."""
-        from ..loader import read_config
+    def replay_length(self, mode: str) -> int:
+        """Tokens recomputed before a prefix hit to rebuild the state that is not cached.
 
-        return cls.from_hf(read_config(model_dir))
+        The sliding-window K=V ring and the compressors' partial windows depend
+        on every earlier token, so they are not content-addressed. ``bounded``
+        replays the last W tokens (W = the sliding window), their attention
+        seeing only the cached compressed context: fixed cost, approximate.
+        ``exact`` replays the window's receptive field through all layers (W
+        per layer, plus what the family's compressors keep), after which the
+        rebuilt state equals a full prefill's.
+        """
+        w = self.sliding_window
+        return w if mode == "bounded" else self.num_hidden_layers * w + self.replay_extra()
 
+    def replay_extra(self) -> int:
+        """Tokens an exact replay adds beyond W per layer for the compressors' partial windows."""
+        return 0
 
-def _fold_legacy(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fold legacy and flat fields into the fields ``ModelConfig`` declares."""
-    for key in ("num_hidden_layers", "head_dim"):
-        if key not in raw:
-            raise ValueError(f"the field {key!r} is missing")
-    n = raw["num_hidden_layers"]
-    raw["quantization"] = QuantizationConfig.parse(raw)
-    method = raw.get("topk_method")
-    if method not in (None, "noaux_tc", "greedy"):
-        raise ValueError(f"topk_method is {method!r}; DeepSeek-V4 routes by biased top-k ('noaux_tc') without expert groups")
-
-    rates = dict(_DEFAULT_COMPRESS_RATES)
-    rates.update(raw.get("compress_rates") or {})
-    if raw.get("compress_rate_csa") is not None:
-        rates[CSA] = raw["compress_rate_csa"]
-    if raw.get("compress_rate_hca") is not None:
-        rates[HCA] = raw["compress_rate_hca"]
-    raw["compress_rates"] = rates
-
-    if raw.get("layer_types") is None and raw.get("compress_ratios") is not None:
-        by_ratio = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
-        unknown = sorted({r for r in raw["compress_ratios"] if r not in by_ratio})
-        if unknown:
-            raise ValueError(f"compress_ratios holds {unknown}; each must be 0, {rates[CSA]} (CSA) or {rates[HCA]} (HCA)")
-        raw["layer_types"] = [by_ratio[r] for r in raw["compress_ratios"]]
-    if raw.get("layer_types") is None:
-        raw["layer_types"] = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-    raw["layer_types"] = list(raw["layer_types"])[:n]
-
-    if raw.get("mlp_layer_types") is None:
-        n_hash = raw.get("num_hash_layers")
-        n_hash = _DEFAULT_NUM_HASH_LAYERS if n_hash is None else n_hash
-        raw["mlp_layer_types"] = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
-    raw["mlp_layer_types"] = list(raw["mlp_layer_types"])[:n]
-
-    head_dim = raw["head_dim"]
-    factor = raw.get("partial_rotary_factor")
-    if factor is None:
-        legacy = raw.get("qk_rope_head_dim")
-        factor = legacy / head_dim if legacy is not None else 64 / 512
-    raw["qk_rope_head_dim"] = int(head_dim * factor)
-
-    raw["rope_main"], raw["rope_compress"] = fold_rope(raw)
-    return raw
+    def draft_fields(self, raw: dict[str, Any]) -> dict[str, Any] | None:
+        """``config.json``'s DSpark draft fields, or None when it declares no draft (V4's layout: the top
+        level, declared by ``dspark_block_size``)."""
+        return raw if "dspark_block_size" in raw else None
 
 
 def fold_rope(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -30,7 +30,7 @@ per-position temperatures ``dspark_confidence_temperatures`` (a calibration,
 Weights load as the checkpoint stores them (FP8 linears and FP4 routed experts
 stay quantized, as the target's do). All compute goes through ``Kernels`` ops.
 
-DeepSeek V4.1's draft (``dspark_v41.py``) keeps this layout and these heads but
+DeepSeek V4.1's draft (``deepseek_v41/draft.py``) keeps this layout and these heads but
 builds its stages as V4.1 layers; its fields sit in ``text_config``, with its
 own routed-expert count and top-k (``dspark_n_routed_experts``,
 ``dspark_num_experts_per_tok``) and ``num_nextn_predict_layers`` stages.
@@ -48,8 +48,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from deepinfer_interfaces import Kernels
 
-from ..errors import CheckpointError, ConfigError
-from ..loader.block_scales import DEFAULT_BLOCK, FP4_DTYPES, FP8_DTYPES, block_for, dequantize
+from ...errors import CheckpointError, ConfigError
+from ...loader.block_scales import DEFAULT_BLOCK, FP4_DTYPES, FP8_DTYPES, block_for, dequantize
 from .attention import grouped_output
 from .config import SLIDING, ModelConfig
 from .layer import DecoderLayer
@@ -98,7 +98,7 @@ class DSparkConfig(BaseModel):
         """The draft's config, or None when config.json declares no DSpark draft; ``stored``: the checkpoint's
         ``mtp.*`` tensor names, which give the stage count when config.json does not. ``raw`` is the whole
         config.json (a V4.1 one is composite: its draft's fields are read from ``text_config``)."""
-        fields = draft_fields(raw, model)
+        fields = model.draft_fields(raw)
         if fields is None:
             return None
         head = fields.get("dspark_markov_head_type", "vanilla")
@@ -135,30 +135,6 @@ class DSparkConfig(BaseModel):
                 f"dspark_confidence_temperatures {temps} must hold {self.dspark_block_size} positive values, one per block position; "
                 "refit them or remove the field"
             )
-
-
-#: V4.1's draft fields that ``V41TextConfig`` validates and gives defaults for
-V41_DRAFT_FIELDS = (
-    "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
-    "dspark_n_routed_experts", "dspark_num_experts_per_tok",
-)
-
-
-def draft_fields(raw: dict[str, Any], model: ModelConfig) -> dict[str, Any] | None:
-    """config.json's draft fields, or None when it declares no draft. V4: the top level, declared by
-    ``dspark_block_size``. V4.1: ``text_config`` with the validated text config's values (its defaults where
-    the file is silent), declared by ``num_nextn_predict_layers`` > 0, which is then the stage count unless
-    ``n_mtp_layers`` / ``dspark_num_stages`` say otherwise."""
-    text = model.v41
-    if text is None:
-        return raw if "dspark_block_size" in raw else None
-    if not text.num_nextn_predict_layers:
-        return None
-    given = raw.get("text_config") or {}
-    fields = {**given, **text.model_dump(include=set(V41_DRAFT_FIELDS))}
-    if given.get("dspark_num_stages") is None and given.get("n_mtp_layers") is None:
-        fields["n_mtp_layers"] = text.num_nextn_predict_layers
-    return fields
 
 
 def _resolved_fields(raw: dict[str, Any], stored: Iterable[str] | None) -> dict[str, Any]:
@@ -322,7 +298,9 @@ class DSparkDraft(ParamTree):
             raise ConfigError(f"quantization {mode!r} is not one of 'auto', 'dequantize'")
         q = target.config.quantization
         block = tuple(q.weight_block_size) if q is not None else DEFAULT_BLOCK
-        kind = draft_class(target) if cls is DSparkDraft else cls
+        kind = type(target).draft_class if cls is DSparkDraft else cls
+        if kind is None:
+            raise ConfigError(f"{type(target).__name__} has no DSpark draft network; run without speculative decoding")
         draft = kind(target, cfg, draft_plan(stored, block) if mode == "auto" else QuantPlan())
         draft.load(stored, block)
         return draft
@@ -523,15 +501,6 @@ class DSparkDraft(ParamTree):
             torch.stack(tokens, dim=1), torch.stack(probs, dim=1), accept, torch.cumprod(accept, dim=1),
             torch.stack(dists, dim=1) if keep_probs else None,
         )
-
-
-def draft_class(target) -> type[DSparkDraft]:
-    """The draft network a target carries: V4.1's stages for a V4.1 target, else V4's."""
-    if target.config.v41 is None:
-        return DSparkDraft
-    from .dspark_v41 import DSparkDraftV41  # it builds on this module
-
-    return DSparkDraftV41
 
 
 class DSparkRing:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from ..errors import DeepInferError
+from ...errors import DeepInferError
 
 
 @dataclass(frozen=True)

@@ -5,24 +5,30 @@ the Engram tables and the DSpark draft), ``vision_config`` and a top-level
 ``quantization_config`` (FP8 e4m3 in 32 x 32 blocks, ``expert_dtype`` FP4).
 Field names follow the released ``config.json``; where transformers' class
 (``DeepseekV41TextConfig``) spells a field differently, both spellings are
-accepted. ``DeepseekV41Config.to_model_config()`` gives the engine's ``ModelConfig``,
-which carries the text config for the per-layer roles; ``inspect`` sizes from it.
+accepted. ``DeepseekV41Config.to_model_config()`` gives the engine's
+``V41ModelConfig``, which carries the text config for the per-layer roles.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import ConfigError
-from .config import SHARED, SLIDING, ModelConfig, QuantizationConfig, fold_rope, invalid_config
-from .config_v41_text import V41Layer, V41TextConfig
-
-__all__ = ["DeepseekV41Config", "V41Layer", "V41TextConfig", "V41VisionConfig", "check_text_only", "IMAGES_REFUSAL"]
+from ...errors import ConfigError
+from ..common.cache_spec import CacheGeometry
+from ..common.config import SLIDING, ModelConfig, QuantizationConfig, fold_rope, invalid_config
+from .cache import v41_geometry
+from .text_config import V41TextConfig
 
 MODEL_TYPE = "deepseek_v41"
-IMAGES_REFUSAL = "images are not supported yet: DeepSeek V4.1's vision tower is not implemented; send text only"
+#: V4.1's compressed layers: compressed KV and indexer keys shared from a source layer (CSA2)
+SHARED = "shared_compressed_attention"
+#: V4.1's draft fields that ``V41TextConfig`` validates and gives defaults for
+DRAFT_FIELDS = (
+    "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+    "dspark_n_routed_experts", "dspark_num_experts_per_tok",
+)
 
 
 class V41VisionConfig(BaseModel):
@@ -73,16 +79,16 @@ class DeepseekV41Config(BaseModel):
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid DeepSeek-V4.1 config.json: {exc}") from None
 
-    def to_model_config(self) -> ModelConfig:
-        """The engine's ``ModelConfig``: the backbone's shape, every MoE layer routed by biased top-k, and
-        the text config itself for the per-layer roles (``ModelConfig.v41``)."""
+    def to_model_config(self) -> "V41ModelConfig":
+        """The engine's config: the backbone's shape, every MoE layer routed by biased top-k, and the text
+        config itself for the per-layer roles (``V41ModelConfig.text``)."""
         t = self.text_config
         n = t.num_hidden_layers
         fields = {name: getattr(t, name) for name in _SHARED_FIELDS}
         main, compress = fold_rope(t.model_dump(include={"rope_theta", "compress_rope_theta", "rope_scaling", "rope_parameters",
                                                           "max_position_embeddings"}, exclude_none=True))
         try:
-            return ModelConfig(
+            return V41ModelConfig(
                 **fields,
                 model_type=MODEL_TYPE,
                 layer_types=[SHARED if r else SLIDING for r in t.compress_ratios[:n]],
@@ -91,7 +97,9 @@ class DeepseekV41Config(BaseModel):
                 rope_main=main,
                 rope_compress=compress,
                 quantization=self.quantization,
-                v41=t,
+                renormalize_topk=t.norm_topk_prob and t.num_experts_per_tok > 1,
+                router_image_bias=True,
+                text=t,
             )
         except ValidationError as exc:
             raise invalid_config("DeepSeek-V4.1", exc) from None
@@ -108,13 +116,42 @@ _SHARED_FIELDS = (
 )
 
 
-def check_text_only(prompt: object) -> None:
-    """Refuse a request that carries images (a mapping with ``images`` / ``multi_modal_data``, or image content parts)."""
-    if isinstance(prompt, dict):
-        if prompt.get("images") or prompt.get("multi_modal_data") or prompt.get("type") in ("image", "image_url"):
-            raise ConfigError(IMAGES_REFUSAL)
-        check_text_only(prompt.get("content"))
-    elif isinstance(prompt, (list, tuple)):
-        for part in prompt:
-            if isinstance(part, (dict, list, tuple)):
-                check_text_only(part)
+class V41ModelConfig(ModelConfig):
+    """A DeepSeek V4.1 backbone: every layer keeps a sliding window, compressed layers share their KV
+    (``text`` holds the per-layer roles, the Engram tables and the draft). Its router renormalises the
+    top-k weights only when ``norm_topk_prob`` is set and it picks more than one expert (transformers' V4
+    router always does), and keeps ``gate.bias_vl`` for image positions."""
+
+    LAYER_TYPES: ClassVar[tuple[str, ...]] = (SLIDING, SHARED)
+
+    model_type: Literal["deepseek_v41"] = MODEL_TYPE
+    text: V41TextConfig
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> "V41ModelConfig":
+        return DeepseekV41Config.from_hf(raw).to_model_config()
+
+    def compress_ratio(self, layer_type: str) -> int:
+        """0 for sliding-window layers; shared layers have a ratio per layer (``layer_ratio``)."""
+        if layer_type == SHARED:
+            raise ValueError(f"{SHARED} layers have a ratio per layer; use layer_ratio(i)")
+        return super().compress_ratio(layer_type)
+
+    def layer_ratio(self, layer: int) -> int:
+        return self.text.compress_ratios[layer]
+
+    def cache_geometry(self, block_size: int, step: int, max_len: int) -> CacheGeometry:
+        return v41_geometry(self, block_size, step, max_len)
+
+    def draft_fields(self, raw: dict[str, Any]) -> dict[str, Any] | None:
+        """``text_config`` with the validated text config's values (its defaults where the file is silent),
+        declared by ``num_nextn_predict_layers`` > 0, which is then the stage count unless ``n_mtp_layers``
+        / ``dspark_num_stages`` say otherwise."""
+        text = self.text
+        if not text.num_nextn_predict_layers:
+            return None
+        given = raw.get("text_config") or {}
+        fields = {**given, **text.model_dump(include=set(DRAFT_FIELDS))}
+        if given.get("dspark_num_stages") is None and given.get("n_mtp_layers") is None:
+            fields["n_mtp_layers"] = text.num_nextn_predict_layers
+        return fields

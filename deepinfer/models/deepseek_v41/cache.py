@@ -1,0 +1,71 @@
+"""DeepSeek V4.1's cache kinds: per ratio a source kind and a reader kind.
+
+The compressed KV and indexer keys of a ratio are owned by its KV source
+layers and read by the layers after them, so a ratio has two kinds:
+``shared{r}.source`` (window, compressor state, entries) and
+``shared{r}.reader`` (its window only). A reader's window ring lives in its
+source's pool, after the entries, so one gather reads both.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..common.cache_spec import CacheGeometry, LayerCacheSpec
+from ..common.config import SLIDING
+
+if TYPE_CHECKING:
+    from .config import V41ModelConfig
+    from .text_config import V41Layer
+
+
+def v41_kind(layer: "V41Layer") -> str:
+    """The cache kind of a V4.1 layer (a ``V41Layer``): sliding, or its ratio's source or reader kind."""
+    m = layer.compress_ratio
+    if not m:
+        return SLIDING
+    return f"shared{m}.source" if layer.owns_kv else f"shared{m}.reader"
+
+
+def v41_geometry(config: "V41ModelConfig", block_size: int, step: int, max_len: int) -> CacheGeometry:
+    """DeepSeek V4.1: per ratio a source kind (window, compressor state unless the ratio is 1, entries and
+    indexer keys) and a reader kind (window only, in its source's pool)."""
+    v = config.text
+    w = config.sliding_window
+    window = min(w - 1 + step, max_len)
+    specs: dict[str, LayerCacheSpec] = {}
+    kinds: list[str] = []
+    pools: list[tuple[int, int]] = []
+    members: dict[int, int] = {}
+    for layer in v.layers():
+        m = layer.compress_ratio
+        kind = v41_kind(layer)
+        if not m:
+            specs.setdefault(kind, LayerCacheSpec(kind, 0, config.head_dim, 0, window, 0, 0, 0, 0))
+            pools.append((layer.index, 0))
+        else:
+            source = f"shared{m}.source"
+            owner = layer.index if layer.owns_kv else layer.kv_source
+            state = min(m - 1 + step, max_len) if m > 1 else 0
+            specs.setdefault(kind, LayerCacheSpec(
+                layer_type=kind,
+                ratio=m,
+                head_dim=config.head_dim,
+                index_head_dim=config.index_head_dim if layer.owns_kv else 0,
+                window_rows=window,
+                state_rows=state if layer.owns_kv else 0,
+                state_width=config.head_dim if layer.owns_kv and state else 0,
+                index_state_width=0,
+                entries_per_block=block_size // m if layer.owns_kv else 0,
+                entry_kind=source,
+                state_keep=m - 1 if layer.owns_kv and state else 0,
+            ))
+            pools.append((owner, members.get(owner, 0)))
+            members[owner] = members.get(owner, 0) + 1
+        kinds.append(kind)
+    n_gram = v.engram_max_ngram_size if v.engram_layer_ids else 0
+    history = min(n_gram - 1 + step, max_len) if n_gram else 0
+    n = config.num_hidden_layers
+    last_source = max(v.kv_source_layer_ids, default=n - 1)
+    tail = tuple((n - layer) * (w - 1) + 1 for layer in range(last_source + 1, n))
+    return CacheGeometry(block_size, step, max_len, w, specs, tuple(kinds), tuple(pools), True, history, n_gram, tail)
