@@ -37,9 +37,10 @@ from .request import Request, RequestStatus
 from .sampler import to_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
+from .spec_decode.inflight import DraftLedger, rejected_drafts
 from .spec_decode.speculation import Speculation, step_kind
 from .stats import EngineLoad, EngineStats
-from .step import GrammarGate, ScheduledSequence, Step, StepResult, chained_drafts
+from .step import GrammarGate, Step, StepResult
 from .step_executor import StepExecutor
 from .structured_output import GrammarCompilerCache, allocate_bitmask
 
@@ -117,9 +118,11 @@ class Engine:
         overlap = config.overlap_scheduling
         self.overlap = self.backend.device.capabilities().asynchronous if overlap is None else overlap
         self.overlap = self.overlap and sharding is None  # lockstep: one forward per step, in order
+        #: every speculating request's drafts in flight
+        self.drafts = DraftLedger(self.speculation, chain=self.overlap)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start, self.stats,
-            self.speculation, chain=self.overlap, history_tokens=max(0, self.runner.geometry.history_window - 1),
+            self.drafts, history_tokens=max(0, self.runner.geometry.history_window - 1),
         )
         #: user request id -> its first completion (which lists every completion in ``siblings``)
         self.requests: dict[str, Request] = {}
@@ -250,7 +253,7 @@ class Engine:
             child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             child.max_total_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
             self._live[child.request_id] = child
-            child.speculative = self.speculation is not None
+            self.drafts.start(child)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
         req.hold_kv = hold_kv
@@ -355,7 +358,7 @@ class Engine:
             s = sampled[i]
             req = self._live[s.request_id]
             req.grammar.fill_bitmask(gate.bitmask, row)
-            drafts = self._draft_tokens(s, req)
+            drafts = self.drafts.verifies(s, req)
             if j < len(drafts):  # the next row is the position after this draft: step the matcher over it
                 if req.grammar.accept(drafts[j]):
                     stepped[i] = stepped.get(i, 0) + 1
@@ -364,14 +367,6 @@ class Engine:
         for i, n in stepped.items():
             self._live[sampled[i].request_id].grammar.rollback(n)
         gate.ready.set()
-
-    @staticmethod
-    def _draft_tokens(s: ScheduledSequence, req: Request) -> list[int]:
-        """The drafts ``s`` verifies: its own, or for a chained record those its previous step made (the
-        request's pending draft once that step is applied; none when it drafted nothing)."""
-        if not s.chained:
-            return s.draft_token_ids
-        return chained_drafts(req.draft, req.num_known_tokens - 1, len(s.draft_token_ids))
 
     def step(self) -> list[Request]:
         """Advance by one step; return the requests (first completions) that gained tokens, finished or were preempted.
@@ -406,7 +401,7 @@ class Engine:
             self.stats.forward_seconds += result.forward_seconds
             self.stats.graph_replays += int(result.graph)
             self.stats.draft_seconds += result.draft_seconds
-            self._record_drafts(result)
+            self.drafts.pass_made(list(result.drafts.values()))
             changed.extend(self._apply(done, result))
             applied.append((done, result))
             for pending, _ in self._inflight:
@@ -419,10 +414,6 @@ class Engine:
             self.speculation.record_step(step_kind(done), result.graph, result.graph_tokens or done.num_tokens,
                                          wall - result.draft_seconds, len(result.drafts), result.draft_seconds)
         return list({id(r): r for r in (c.siblings[0] for c in changed)}.values())
-
-    def _record_drafts(self, result: StepResult) -> None:
-        if self.speculation is not None and result.drafts:
-            self.speculation.record_drafts([d.survival for d in result.drafts.values()])
 
     def _write_through(self) -> None:
         """Hand the blocks committed since the last call to the store: copied off the device after the
@@ -447,11 +438,9 @@ class Engine:
                 req.num_pending -= 1
                 new = result.tokens[s.request_id]
                 if s.draft_token_ids:
-                    self.scheduler.settle(req, len(s.draft_token_ids) - (len(new) - 1))
+                    self.scheduler.settle(req, rejected_drafts(s, new))
                 if not req.finished:  # else it stopped a step ago: this token was computed ahead and is dropped
-                    if s.draft_token_ids and self.speculation is not None:
-                        predicted = req.draft.survival if req.draft is not None else ()
-                        self.speculation.record(result.verified.get(s.request_id, 0), len(new) - 1, predicted)
+                    self.drafts.verified(req, s, new, result.verified.get(s.request_id, 0))
                     for tok in new:
                         if tok.logprobs is not None:
                             req.logprobs.extend(to_logprobs([tok.logprobs], self._decode_one))
@@ -461,9 +450,7 @@ class Engine:
                             break
                     changed.append(req)
                     if req.status is RequestStatus.RUNNING:
-                        req.draft = result.drafts.get(s.request_id)
-                        if req.draft is not None:
-                            req.last_survival = req.draft.survival
+                        self.drafts.drafted(req, result.drafts.get(s.request_id))
                 if req.finished and not req.num_pending and req.siblings[0].request_id not in self.requests:
                     self._live.pop(req.request_id, None)
             if not req.finished:

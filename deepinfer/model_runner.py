@@ -34,8 +34,9 @@ from .registry import SelectedBackend
 from .models.common.dspark import DSparkConfig, DSparkDraft, DSparkRing
 from .sampler import Sampler, top_logprobs
 from .spec_decode import DSparkProposer, StepCostProfile, verify_drafts
+from .spec_decode.inflight import StepOutcomes, verified_counts
 from .stats import EngineStats
-from .step import DraftProposal, SampledToken, ScheduledSequence, Step, StepResult, chained_drafts
+from .step import SampledToken, ScheduledSequence, Step, StepResult
 from .models.registry import load_model
 
 log = logging.getLogger("deepinfer")
@@ -87,18 +88,6 @@ class CachePlan:
             f"+ {self.num_slots} sequence slots, {self.budget / mib:.1f} MiB{draft}; up to {self.tokens_per_sequence} tokens per "
             f"sequence (max_model_len {self.max_model_len}), {self.full_length_sequences} at that length at once"
         )
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One sampled request's result of a step, as the next step's chained record needs it."""
-
-    #: drafts it verified and rejected
-    rejected: int
-    #: its last new token (the next step's anchor)
-    last_token: int
-    #: the drafts made after it (None: none)
-    draft: DraftProposal | None
 
 
 def plan_cache(
@@ -193,7 +182,7 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None
         self._last_index: dict[str, int] = {}
         #: what the previous step left each sampled request: chained records are resolved from it
-        self._outcomes: dict[str, Outcome] = {}
+        self._outcomes = StepOutcomes()
         #: the last forward's hidden states at ``hidden_layers``
         self._hidden: dict[int, torch.Tensor] = {}
         self.graphs: DecodeGraphs | None = None
@@ -347,7 +336,7 @@ class ModelRunner:
     def execute(self, step: Step) -> StepResult:
         """Run ``step`` and sample its sequences; steps must come in submission order."""
         t0 = time.perf_counter()
-        step = self._resolve(step)
+        step = self._outcomes.resolve(step)
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
             if self.proposer is not None:
@@ -385,33 +374,9 @@ class ModelRunner:
             t1 = time.perf_counter()
             drafts = self.proposer.draft_step(step, tokens, last, self.sampler, self.config.max_position_embeddings)
             draft_seconds = time.perf_counter() - t1 if drafts else 0.0
-        self._outcomes = {
-            s.request_id: Outcome(len(s.draft_token_ids) + 1 - len(tokens[s.request_id]), tokens[s.request_id][-1].token_id,
-                                  drafts.get(s.request_id))
-            for s in step.sampled
-        }
-        verified = {s.request_id: len(s.draft_token_ids) for s in step.sampled if s.draft_token_ids}
+        self._outcomes.record(step, tokens, drafts)
         return StepResult(tokens, prompt_lps, time.perf_counter() - t0, graph is not None,
-                          graph.size * graph.tokens_per_seq if graph is not None else 0, drafts, draft_seconds, verified)
-
-    def _resolve(self, step: Step) -> Step:
-        """``step`` with its chained records made concrete from the previous step's outcome, which this
-        runner read back: each one's positions move back by its request's rejected drafts, its token is that
-        step's last sample and its drafts are the ones drafted after it (fewer, or none, if it drafted less)."""
-        if not any(s.chained for s in step.sequences):
-            return step
-        sequences = []
-        for s in step.sequences:
-            if s.chained:
-                prev = self._outcomes[s.request_id]
-                start = s.start - prev.rejected
-                drafts = chained_drafts(prev.draft, start, len(s.draft_token_ids))
-                s = dataclasses.replace(
-                    s, start=start, token_ids=[prev.last_token], draft_token_ids=drafts,
-                    logit_offsets=s.logit_offsets[: len(s.logit_offsets) - len(s.draft_token_ids) + len(drafts)], chained=False,
-                )
-            sequences.append(s)
-        return dataclasses.replace(step, sequences=sequences)
+                          graph.size * graph.tokens_per_seq if graph is not None else 0, drafts, draft_seconds, verified_counts(step))
 
     @torch.inference_mode()
     def read_sequence(self, slot: int, blocks: list[int], num_tokens: int) -> SequenceState:

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 
 from .outputs import PositionLogprobs, RequestMetrics
 from .sampling_params import SamplingParams
-from .step import PLACEHOLDER, DraftProposal, SampleSpec
+from .step import PLACEHOLDER, SampleSpec
 
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
     from .kv_transfer.sequence_state import SequenceState
+    from .spec_decode.inflight import SpecState
     from .structured_output import RequestGrammar
 
 
@@ -68,14 +69,8 @@ class Request:
     fork_source: Request | None = None
     #: every completion of this prompt, in index order (this request alone when n == 1)
     siblings: list[Request] = field(default_factory=list)
-    #: whether the engine drafts tokens for it (speculative decoding)
-    speculative: bool = False
-    #: its drafted tokens for the step after the last one applied (None: none pending)
-    draft: DraftProposal | None = None
-    #: its latest sampling record drafts after its step (the admission policy picked it)
-    proposing: bool = False
-    #: survival per position of the last draft made for it (what its next draft is expected to achieve)
-    last_survival: tuple[float, ...] | None = None
+    #: its drafts in flight, owned by the engine's ``DraftLedger`` (None: it does not speculate)
+    spec: SpecState | None = None
     #: keep its cache (slot and blocks) when it finishes, for another engine to take (disaggregated prefill)
     hold_kv: bool = False
     #: its prompt's state computed by another engine, installed when it is first scheduled (disaggregated decode)
@@ -125,14 +120,6 @@ class Request:
     def at_limit(self) -> bool:
         """Whether it has (or will have, once pending tokens land) every token it may produce."""
         return self.num_tokens >= self.max_total_tokens
-
-    def draft_ready(self) -> bool:
-        """Whether its pending draft follows the one token it feeds next (nothing else in flight)."""
-        d = self.draft
-        return (
-            d is not None and not self.num_pending and self.num_computed_tokens == self.num_tokens - 1
-            and d.anchor_position == self.num_computed_tokens
-        )
 
     @property
     def num_prompt_tokens(self) -> int:

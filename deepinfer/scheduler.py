@@ -43,9 +43,10 @@ from typing import Callable
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer.sequence_state import SequenceState
 from .request import Request, RequestStatus
-from .spec_decode.speculation import Speculation, StepOutlook
+from .spec_decode.inflight import DraftLedger
+from .spec_decode.speculation import StepOutlook
 from .stats import EngineStats
-from .step import PLACEHOLDER, ForkSpec, PromptLogprobSpec, ScheduledSequence
+from .step import ForkSpec, PromptLogprobSpec, ScheduledSequence
 
 
 @dataclass
@@ -71,22 +72,20 @@ class Scheduler:
         max_chunk: int | None = None,
         replay_start: Callable[[int], int | None] = lambda hit: hit,
         stats: EngineStats | None = None,
-        speculation: Speculation | None = None,
-        chain: bool = False,
+        drafts: DraftLedger | None = None,
         history_tokens: int = 0,
     ) -> None:
         """``replay_start(hit)`` gives the position from which a request whose first ``hit``
         tokens are cached recomputes (to rebuild state that is not cached), or None when
-        the hit is not worth adopting. ``speculation``: the admission policy (how many of each
-        ready request's drafts a step verifies, which requests draft after it). ``chain``:
-        steps are scheduled while the previous one is in flight (overlap), so speculating requests chain;
+        the hit is not worth adopting. ``drafts``: the speculating requests' drafts in flight and the
+        admission policy (how many of each ready request's drafts a step verifies, which requests draft
+        after it, whether a request chains to its step in flight); None: nobody speculates.
         ``history_tokens``: how many tokens before a replay start a first chunk brings as history (the
         model's n-gram look-back)."""
         self.kv = kv
         self.history_tokens = history_tokens
-        self.chain = chain
         self.replay_start = replay_start
-        self.speculation = speculation
+        self.drafts = drafts if drafts is not None else DraftLedger()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         #: most tokens of one sequence in one step
@@ -118,7 +117,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
-        req.draft = None
+        self.drafts.preempted(req)
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.stats.preemptions += 1
@@ -132,7 +131,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            chained = self._chains(req)
+            chained = self.drafts.chains(req)
             if req.at_limit or (chained and req.num_computed_tokens >= req.max_total_tokens) or (
                 not chained and req.num_computed_tokens >= req.num_tokens
             ):
@@ -184,8 +183,7 @@ class Scheduler:
             budget -= n
         self.running.extend(self._forked)
         self._forked = []
-        if self.speculation is not None:
-            self._choose_drafters(out)
+        self._choose_drafters(out)
         if out.sequences:
             self.stats.steps += 1
             self.stats.computed_tokens += out.num_tokens
@@ -209,74 +207,26 @@ class Scheduler:
 
     def _decodes(self, req: Request) -> bool:
         """Whether ``req``'s next record feeds one token and samples (a decode, maybe verifying drafts)."""
-        return not req.at_limit and (self._chains(req) or req.num_computed_tokens == req.num_tokens - 1)
+        return not req.at_limit and (self.drafts.chains(req) or req.num_computed_tokens == req.num_tokens - 1)
 
     def _admitted(self, budget: int) -> dict[str, list[int]]:
         """The drafts each ready running request verifies this step."""
-        if self.speculation is None:
-            return {}
-        ready = [r for r in self.running if not r.at_limit and (r.draft_ready() or self._chains(r))]
+        ready = self.drafts.ready(self.running)
         if not ready:
             return {}
         decoding = sum(1 for r in self.running if self._decodes(r))
         chunks = sum(min(r.num_tokens - r.num_computed_tokens, self.max_chunk) for r in self.running
-                     if not self._chains(r) and r.num_tokens - r.num_computed_tokens > 1)
+                     if not self.drafts.chains(r) and r.num_tokens - r.num_computed_tokens > 1)
         outlook = StepOutlook(decoding, decoding + min(chunks, max(0, budget - decoding)))
-        last = [None if r.draft is None else r.draft.survival for r in ready]
-        counts = self.speculation.admit(last, [self._verifiable(r) for r in ready], max(0, budget - outlook.base_tokens), outlook)
-        return {r.request_id: self._drafts(r, k) for r, k in zip(ready, counts) if k}
+        return self.drafts.admit(ready, max(0, budget - outlook.base_tokens), outlook)
 
     def _choose_drafters(self, out: SchedulerOutput) -> None:
-        """Mark the step's sampling records that draft after it (``propose``), as the policy picks them for
-        the next step, which this one predicts: each sampling request decodes, each unfinished prompt goes on."""
-        live = {r.request_id: r for r in self.running}
-        sampled = [s for s in out.sequences if s.sample is not None and s.speculate]
-        candidates, last, rooms = [], [], []
-        for s in sampled:
-            req = live.get(s.request_id)
-            if req is None:
-                continue
-            req.proposing = False
-            room = req.max_total_tokens - req.num_computed_tokens - 2  # drafts its next step may verify
-            if room > 0:
-                candidates.append((s, req))
-                last.append(req.last_survival)
-                rooms.append(room)
-        if not candidates:
-            return
+        """Let the policy pick the step's sampling records that draft after it, for the next step, which this
+        one predicts: each sampling request decodes, each unfinished prompt goes on."""
         decoding = sum(1 for s in out.sequences if s.sample is not None)
         chunks = sum(s.num_tokens for s in out.sequences if s.sample is None and s.num_tokens)
         outlook = StepOutlook(decoding, decoding + chunks)
-        chosen = self.speculation.drafters(last, rooms, outlook, max(0, self.max_num_batched_tokens - outlook.base_tokens))
-        for i in chosen:
-            s, req = candidates[i]
-            s.propose = req.proposing = True
-        self.stats.spec_draft_candidates += len(candidates)
-        self.stats.spec_drafting_requests += len(chosen)
-        self.stats.spec_candidate_steps += 1
-        self.stats.spec_drafting_steps += int(bool(chosen))
-
-    def _chains(self, req: Request) -> bool:
-        """Whether ``req``'s next record chains to its step in flight: with overlap, a speculating request's
-        every sampling step drafts for it, so the next one can feed that step's sample and verify its drafts."""
-        return self.chain and req.speculative and req.num_pending == 1
-
-    def _verifiable(self, req: Request) -> int:
-        """How many drafts ``req``'s next step may verify: none past its last token (the step adds one more
-        after them), and none its grammar refuses. A chained request's drafts are not known yet: its bound
-        assumes every draft in flight is accepted, and its grammar checks them once they are (a refused
-        draft's row then masks it out, so verification rejects it)."""
-        if self._chains(req):
-            return max(0, req.max_total_tokens - req.num_computed_tokens - 2) if req.proposing else 0
-        n = max(0, req.max_total_tokens - req.num_tokens - 1)
-        if req.grammar is not None and n:
-            n = req.grammar.validate_draft(list(req.draft.tokens[:n]))
-        return n
-
-    def _drafts(self, req: Request, k: int) -> list[int]:
-        """The ``k`` drafts ``req`` verifies next: its pending draft's, or placeholders for a chained request
-        (the drafts its step in flight makes)."""
-        return [PLACEHOLDER] * k if self._chains(req) else list(req.draft.tokens[:k])
+        self.drafts.choose(out.sequences, self.running, outlook, max(0, self.max_num_batched_tokens - outlook.base_tokens))
 
     def settle(self, req: Request, rejected: int) -> None:
         """After verification: ``req``'s ``rejected`` drafts stop counting as computed (a record chained
@@ -323,7 +273,7 @@ class Scheduler:
             sample=req.sample_spec if samples else None,
             prompt_logprobs=prompt_lp,
             draft_token_ids=draft,
-            speculate=req.speculative,
+            speculate=req.spec is not None,
             chained=chained,
         ))
         if chained:
@@ -371,7 +321,7 @@ class Scheduler:
                 shared_prefix_tokens=child.num_cached_tokens,
                 sample=child.sample_spec,
                 fork=ForkSpec(source.request_id, self.kv.slots[source.request_id], tuple(copies)),
-                speculate=child.speculative,
+                speculate=child.spec is not None,
             ))
 
     def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:

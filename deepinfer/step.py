@@ -182,14 +182,6 @@ class DraftProposal:
     survival: tuple[float, ...]
 
 
-def chained_drafts(draft: DraftProposal | None, anchor_position: int, k: int) -> list[int]:
-    """The drafts a chained record verifies: the first ``k`` of the draft its previous step made, when that
-    draft follows the record's resolved anchor; none when that step drafted nothing for it."""
-    if draft is None or draft.anchor_position != anchor_position:
-        return []
-    return list(draft.tokens[:k])
-
-
 @dataclass
 class StepResult:
     """What one step produced, by request id."""

@@ -220,7 +220,7 @@ def test_a_request_that_pauses_drafting_under_load_resumes_with_the_same_tokens(
     def run(until) -> None:
         while engine.has_unfinished and not until():
             engine.step()
-            trace.append((len(engine.scheduler.running), long.proposing))
+            trace.append((len(engine.scheduler.running), long.spec.proposing))
 
     long = engine.add_request(SYSTEM + "def size(", greedy)
     run(lambda: len(trace) == 8)
