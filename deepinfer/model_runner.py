@@ -24,13 +24,14 @@ import torch
 from .config import EngineConfig
 from .decode_graphs import DecodeGraph, DecodeGraphs, default_capture_sizes
 from .errors import ConfigError
+from .expert_parallel.lockstep import StepDispatch, StepKind
+from .expert_parallel.sharding import ExpertParallel
 from .kv_transfer.sequence_state import SequenceState, plan_sequence, read_sequence, write_sequence
 from .model.batch import Batch
 from .model.cache import ModelCache
 from .model.cache_spec import CacheGeometry, block_size_for
 from .model.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
 from .model.model import CausalLM
-from .parallel.expert_parallel import ExpertParallel, StepDispatch, StepKind
 from .registry import SelectedBackend
 from .model.dspark import DSparkConfig, DSparkDraft, DSparkRing
 from .sampler import Sampler, top_logprobs
