@@ -22,6 +22,7 @@ import torch
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .errors import ConfigError, DeepInferError
+from .expert_parallel.sharding import ExpertParallel
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import PrefilledRequest
 from .kv_transfer.sequence_state import SequenceState
@@ -31,7 +32,6 @@ from .models.common.config import ModelConfig
 from .models.registry import check_prompt
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
-from .parallel.expert_parallel import ExpertParallel
 from .registry import SelectedBackend, select_backend
 from .request import Request, RequestStatus
 from .sampler import to_logprobs
@@ -85,6 +85,8 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_model_len: int,
 
 
 class Engine:
+    """The engine of one process (an ``EngineClient``), or of one rank of an expert-parallel group."""
+
     def __init__(self, config: EngineConfig, backend: SelectedBackend | None = None, sharding: ExpertParallel | None = None) -> None:
         """``sharding``: this engine is one rank of an expert-parallel group (its requests are its share;
         every ``step`` runs exactly one forward, empty when it has nothing, in lockstep with the others)."""
@@ -168,6 +170,10 @@ class Engine:
     @property
     def model_config(self) -> ModelConfig:
         return self.runner.config
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
 
     def get_metrics(self) -> dict[str, Any]:
         """The engine's counters (what ``--stats`` prints); under expert parallelism also the EP figures

@@ -9,8 +9,9 @@ from tokenizers import Tokenizer
 from .chat import ChatFormat, ChatPrompt, Conversation, chat_format_for, format_chat
 from .config import load_config
 from .engine import resolve_model_dir
-from .parallel.engines import make_engine
+from .engine_client import EngineClient
 from .outputs import RequestOutput
+from .ranks.engines import make_engine
 from .sampling_params import SamplingParams
 
 #: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
@@ -27,14 +28,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, config: str | None = None, **kwargs: Any) -> None:
         self.config = load_config({"model": model, **kwargs}, config, explicit=True)
-        self.engine = make_engine(self.config)
+        self.engine: EngineClient = make_engine(self.config)
         self._default_chat_format: ChatFormat | None = None
 
     def close(self) -> None:
         """Stop the engine's rank processes (expert parallelism); the engine is unusable afterwards."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

@@ -24,12 +24,13 @@ import torch
 from .config import EngineConfig
 from .decode_graphs import DecodeGraph, DecodeGraphs, default_capture_sizes
 from .errors import ConfigError
+from .expert_parallel.lockstep import StepDispatch, StepKind
+from .expert_parallel.sharding import ExpertParallel
 from .kv_transfer.sequence_state import SequenceState, plan_sequence, read_sequence, write_sequence
 from .models.common.batch import Batch
 from .models.common.cache import ModelCache
 from .models.common.cache_spec import CacheGeometry, block_size_for
 from .models.common.inputs import ForwardInputs, StepLayout, StepShape, fill_step_inputs
-from .parallel.expert_parallel import ExpertParallel, StepDispatch, StepKind
 from .registry import SelectedBackend
 from .models.common.dspark import DSparkConfig, DSparkDraft, DSparkRing
 from .sampler import Sampler, top_logprobs

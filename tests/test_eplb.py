@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.parallel.eplb import LoadWindow, plan
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.expert_parallel.eplb import LoadWindow, plan
+from deepinfer.expert_parallel.placement import ExpertPlacement
 
 
 def _zipf(n: int, s: float = 1.2) -> torch.Tensor:

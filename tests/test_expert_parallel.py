@@ -18,8 +18,10 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
+from deepinfer.expert_parallel.eplb import EPLBSettings
+from deepinfer.expert_parallel.lockstep import StepDispatch, StepKind
+from deepinfer.expert_parallel.sharding import ExpertParallel
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-from deepinfer.parallel.expert_parallel import EPLBSettings, ExpertParallel, StepDispatch, StepKind
 from deepinfer.weight_memory import weight_memory
 from deepinfer_interfaces import Kernels
 from tests.helpers.graph_devices import make_graph_devices

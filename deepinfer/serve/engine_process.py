@@ -20,6 +20,7 @@ from typing import Any
 
 from deepinfer_interfaces.kv_connector import KVConnectorError
 
+from ..engine_client import EngineClient
 from ..errors import DeepInferError
 from ..kv_transfer.handoffs import Handoffs
 from ..kv_transfer.sequence_state import PrefilledRequest
@@ -187,7 +188,7 @@ def apply_delta(out: RequestOutput | None, delta: OutputDelta) -> RequestOutput:
 class _EngineLoop:
     """The engine process's loop: messages in between steps, deltas out after each."""
 
-    def __init__(self, engine: Any, conn: Connection, handoffs: Handoffs | None = None, recompute: bool = False) -> None:
+    def __init__(self, engine: EngineClient, conn: Connection, handoffs: Handoffs | None = None, recompute: bool = False) -> None:
         self.engine = engine
         self.conn = conn
         self.handoffs = handoffs
@@ -216,7 +217,7 @@ class _EngineLoop:
                 changed = engine.step()
                 deltas = [self._take(engine.output(r)) for r in changed]
                 for r, d in zip(changed, deltas):
-                    if d.finished and getattr(r, "hold_kv", False):
+                    if d.finished and r.hold_kv:
                         self._publish(d)
                 engine.release([d.request_id for d in deltas if d.finished])
                 self.last_load = engine.load()
@@ -313,9 +314,7 @@ class _EngineLoop:
             self.engine.abort(rid)
         if self.handoffs is not None:
             self.handoffs.close()
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
 
 @dataclass(frozen=True)
@@ -362,13 +361,11 @@ def run_engine_process(config_json: str, conn: Connection, verbose: bool, transf
         torch.set_num_threads(int(threads))
     loop: _EngineLoop | None = None
     try:
-        from ..parallel.engines import make_engine
+        from ..ranks.engines import make_engine
 
         engine = make_engine(EngineConfig.model_validate_json(config_json))
         handoffs = _handoffs(transfer)
-        backend = getattr(engine, "backend", None)
-        conn.send(EngineInfo(engine.max_model_len, engine.model_config.vocab_size, engine.model_config.model_type,
-                             backend.name if backend is not None else engine.config.backend))
+        conn.send(EngineInfo(engine.max_model_len, engine.model_config.vocab_size, engine.model_config.model_type, engine.backend_name))
         loop = _EngineLoop(engine, conn, handoffs, transfer is not None and transfer.recompute)
         loop.run()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes one line for the server

@@ -30,8 +30,8 @@ from ..config import EngineConfig
 from ..engine import resolve_model_dir
 from ..errors import ChatFormatError, ConfigError
 from ..loader import load_tokenizer
-from ..parallel.engines import make_engine
-from ..parallel.launch import torchrun_rank
+from ..ranks.engines import make_engine
+from ..ranks.launch import torchrun_rank
 from .async_engine import AsyncEngine
 from .bootstrap import Rooms
 from .engine_process import TransferSettings

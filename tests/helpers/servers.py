@@ -205,7 +205,7 @@ class ServerProcess:
 
     def children(self) -> list[int]:
         """Pids of every process below the server (its engine process, and an ``--ep`` engine's ranks,
-        ``deepinfer.parallel.rank_main``)."""
+        ``deepinfer.ranks.rank_main``)."""
         found: list[int] = []
         todo = [self.pid]
         while todo:
@@ -220,14 +220,14 @@ class ServerProcess:
         return sorted(set(found))
 
     def rank_pids(self) -> list[int]:
-        """The processes below the server running ``deepinfer.parallel.rank_main``, in start order (rank 0 first)."""
+        """The processes below the server running ``deepinfer.ranks.rank_main``, in start order (rank 0 first)."""
         ranks = []
         for pid in self.children():
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"deepinfer.parallel.rank_main" in cmdline:
+            if b"deepinfer.ranks.rank_main" in cmdline:
                 ranks.append(pid)
         return ranks
 

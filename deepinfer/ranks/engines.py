@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..config import EngineConfig
 from ..engine import Engine
+from ..engine_client import EngineClient
 from ..errors import ConfigError
 from .launch import torchrun_rank
 
@@ -11,7 +12,7 @@ from .launch import torchrun_rank
 TORCHRUN_CONTROL_TIMEOUT_S = 24 * 3600.0
 
 
-def make_engine(config: EngineConfig):
+def make_engine(config: EngineConfig) -> EngineClient:
     """``Engine`` for one rank; ``ExpertParallelEngine`` when ``expert_parallel_size > 1`` or torchrun
     started this process. Under torchrun every process builds its rank; ranks other than 0 serve rank 0's
     ticks and exit when it shuts down, so only rank 0 returns."""

@@ -5,34 +5,23 @@ layer a rank maps its tokens' logical experts to physical replicas (the
 layer's ``ExpertPlacement``, the one logical → physical map), sends them to
 the ranks holding those replicas through the Communicator's ``dispatch``,
 runs the experts it holds on what it received, and brings the results back
-with ``combine``. All ranks step in lockstep, so every rank makes the same
-collective calls in the same order; ``begin_step`` agrees on the step's kind
-and dispatch layout first: variable splits when any rank brings a prefill or
-mixed chunk; else a fixed capacity, which needs no host sync and can be
-captured. With decode graphs that capacity is the token count of one graph,
-the same on every rank: the verify graph (``B · (1 + γ)`` tokens) when any rank
-verifies drafts, else the decode graph (``B`` tokens), ``B`` the smallest
-capture size holding every rank's sequences. Every rank replays that graph
-(one that only decodes, inside the verify graph's layout; an idle one, over
-padding only), or, without a graph of that size, runs eagerly at that
-capacity. Padding tokens route to no expert. The device tables a graph reads
-(routing tables, load counters, expert weights) are only ever updated in place.
+with ``combine``. ``begin_step`` first agrees with every rank on the step's
+layout (``lockstep.agree``). Padding tokens route to no expert. The device
+tables a graph reads (routing tables, load counters, expert weights) are only
+ever updated in place.
 
 Load is counted on the device as tokens are routed (no host sync). Every
 ``eplb_interval`` steps the window's load, summed over ranks, gives each layer
 a new placement (``eplb.plan``, the same on every rank); the weights then move
-one layer per step through ``all_to_all``, so no step waits for more than one
+one layer per step (``weight_moves``), so no step waits for more than one
 layer's transfer, and a layer switches to its new map exactly when its
 weights have arrived.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from enum import IntEnum
 
 import torch
 
@@ -40,68 +29,15 @@ from deepinfer_interfaces import Communicator
 
 from ..errors import ConfigError
 from ..models.common.moe import ExpertCompute, MoE
-from .eplb import LoadWindow, plan
+from .counters import EPCounters
+from .eplb import EPLBSettings, LoadWindow, plan
+from .lockstep import StepDispatch, StepKind, agree
 from .placement import ExpertPlacement
+from .weight_moves import move_experts
 
 
 #: the least rise in a layer's expected balancedness worth moving its experts for
 MIN_GAIN = 0.02
-
-
-@dataclass(frozen=True)
-class EPLBSettings:
-    """When and how the balancer re-places experts (0 interval: never)."""
-
-    num_redundant: int = 0
-    interval: int = 0
-    window: int = 64
-    num_nodes: int = 1
-    num_groups: int | None = None
-
-
-class StepKind(IntEnum):
-    """What one rank's step needs of the dispatch, in precedence order: the step's kind is the most any rank needs."""
-
-    #: every sequence brings one token (fits a decode graph)
-    DECODE = 0
-    #: every sequence brings one token and maybe drafts (fits a verify graph)
-    VERIFY = 1
-    #: anything else: prefill or mixed chunks, prompt scoring (variable splits, eager)
-    PREFILL = 2
-
-    @classmethod
-    def of(cls, decode: bool, verify: bool) -> "StepKind":
-        """The kind of a step whose sequences all decode (``decode``) or all fit a verify graph (``verify``)."""
-        return cls.DECODE if decode else cls.VERIFY if verify else cls.PREFILL
-
-
-@dataclass(frozen=True)
-class StepDispatch:
-    """What every rank agreed on for one step."""
-
-    #: rows per rank of the fixed-capacity dispatch (None: variable splits)
-    capacity: int | None
-    #: the graph every rank replays, as (sequences, tokens per sequence), of ``capacity`` tokens; a rank whose
-    #: context bucket has none runs eagerly at that capacity (None: every rank runs eagerly)
-    graph: tuple[int, int] | None = None
-
-
-@dataclass
-class EPCounters:
-    """What expert parallelism cost and achieved on this rank."""
-
-    dispatch_seconds: float = 0.0
-    combine_seconds: float = 0.0
-    rebalances: int = 0
-    layers_moved: int = 0
-    experts_moved: int = 0
-    #: per layer, mean over max tokens per rank since the last rebalance (None: nothing routed yet)
-    balancedness: list[float | None] = field(default_factory=list)
-    #: over every layer's tokens at once
-    balancedness_total: float | None = None
-    #: the same, for the traffic before the first rebalance
-    balancedness_before: list[float | None] | None = None
-    balancedness_total_before: float | None = None
 
 
 class ExpertParallel:
@@ -193,19 +129,9 @@ class ExpertParallel:
         vote = torch.tensor([num_seqs, num_tokens, int(kind)], dtype=torch.int64, device=self.device)
         self.comm.all_reduce(vote, op="max")
         seqs, tokens, step_kind = (int(v) for v in vote.tolist())
-        if step_kind == StepKind.PREFILL:
-            self.capacity = None
-            return StepDispatch(None)
-        verify = step_kind == StepKind.VERIFY
-        per = 1 + self.capture_drafts if verify else 1
-        # without verify graphs (no drafts) a verifying step has no graph size to round up to
-        sizes = (self.capture_sizes or []) if not verify or self.capture_drafts else []
-        i = bisect.bisect_left(sizes, max(seqs, -(-tokens // per), 1))
-        if i < len(sizes):
-            self.capacity = sizes[i] * per
-            return StepDispatch(self.capacity, (sizes[i], per))
-        self.capacity = max(tokens, 1)
-        return StepDispatch(self.capacity)
+        dispatch = agree(seqs, tokens, StepKind(step_kind), self.capture_sizes, self.capture_drafts)
+        self.capacity = dispatch.capacity
+        return dispatch
 
     def use_capacity(self, tokens: int) -> None:
         """Fix the dispatch layout at ``tokens`` rows per rank without a vote: every rank captures the
@@ -266,43 +192,11 @@ class ExpertParallel:
     def _move(self, layer: int, new: ExpertPlacement) -> None:
         """Switch one layer to ``new``: every slot whose expert changes gets its weights from a rank
         holding that expert now (itself when it can), all tensors through one ``all_to_all`` each."""
-        old = self.placements[layer]
         moe = self.moe_layers[layer]
-        moves = {r: new.moved_from(old, r) for r in range(self.world)}
-        held = [int(e) for e in old.local_logical(self.rank).tolist()]
-        send_slots: list[int] = []
-        send_splits = [0] * self.world
-        for dest in range(self.world):
-            if dest == self.rank:
-                continue
-            for _, logical, src in moves[dest]:
-                if src == self.rank:
-                    send_slots.append(held.index(logical))
-                    send_splits[dest] += 1
-        mine = moves[self.rank]
-        recv_slots: list[int] = []
-        recv_splits = [0] * self.world
-        for src in range(self.world):
-            if src == self.rank:
-                continue
-            for slot, _, from_rank in mine:
-                if from_rank == src:
-                    recv_slots.append(slot)
-                    recv_splits[src] += 1
-        local = [(slot, held.index(logical)) for slot, logical, src in mine if src == self.rank]
-        for tensor in moe.expert_tensors():
-            data = tensor.view(torch.uint8) if tensor.element_size() == 1 and tensor.dtype != torch.uint8 else tensor
-            rows = data.reshape(data.shape[0], -1)
-            outgoing = rows[send_slots].contiguous() if send_slots else rows[:0].contiguous()
-            copies = rows[[src for _, src in local]].clone() if local else None
-            incoming = self.comm.all_to_all(outgoing, recv_splits, send_splits)
-            if recv_slots:
-                rows[recv_slots] = incoming
-            if copies is not None:
-                rows[[slot for slot, _ in local]] = copies
+        moved = move_experts(self.comm, moe.expert_tensors(), self.placements[layer], new)
         self.placements[layer] = new
         self._tables[layer].assign_(new.to(self.device))
         moe.slots = self.local_experts(layer)
         self._physical_load[layer].zero_()
         self.counters.layers_moved += 1
-        self.counters.experts_moved += len(mine)
+        self.counters.experts_moved += moved

@@ -1,10 +1,8 @@
 """The engine as ``LLM`` sees it when the experts are spread over ranks.
 
-``ExpertParallelEngine`` has the methods of ``Engine`` that ``LLM`` and the
-CLI use (``add_request``, ``step``, ``output``, ``abort``, ``release``,
-``get_metrics``, ``stats_line``, ``tokenizer``). It gives each request to the
-rank with the fewest outstanding tokens, and turns the ranks' reports into
-request snapshots. Spawned ranks are watched: when one dies or the group stops
+``ExpertParallelEngine`` is an ``EngineClient``, as ``Engine`` is. It gives
+each request to the rank with the fewest outstanding tokens, and turns the
+ranks' reports into request snapshots. Spawned ranks are watched: when one dies or the group stops
 answering, every rank is stopped and ``RankFailure`` names the rank and what
 happened.
 """
@@ -20,6 +18,7 @@ from typing import Any, Mapping
 from ..config import EngineConfig
 from ..engine import resolve_model_dir
 from ..errors import ConfigError, RankFailure
+from ..expert_parallel.placement import ExpertPlacement
 from ..kv_store import store_line
 from ..kv_transfer.sequence_state import PrefilledRequest
 from ..loader import load_tokenizer, read_config
@@ -27,9 +26,9 @@ from ..models.common.config import ModelConfig
 from ..outputs import RequestOutput
 from ..registry import select_backend
 from ..sampling_params import InvalidRequestError, SamplingParams
-from ..stats import EngineLoad, spec_figures, spec_line
+from ..stats import EngineLoad, spec_line
 from .launch import SpawnedGroup, spawn_ranks
-from .placement import ExpertPlacement
+from .merged_metrics import ep_line, merge_metrics
 from .protocol import Abort, AddRequest, Command, FlushCache, Metrics, PackedState, RankReport, Shutdown, Tick
 from .rank_server import RankServer
 from ..models.registry import parse_config
@@ -63,53 +62,9 @@ def check_ep(config: EngineConfig, model_config: ModelConfig, devices: int | Non
         raise ConfigError(str(exc)) from None
 
 
-def merge_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One metrics dict: counters summed over ranks (lockstep steps and wall time: the most), the
-    expert-parallel figures (global, the same on every rank) once, and every rank's own."""
-    out: dict[str, Any] = {}
-    for key, value in per_rank[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            values = [m[key] for m in per_rank]
-            out[key] = max(values) if key in ("steps", "wall_seconds") or key.endswith("_per_step") else sum(values)
-    for key in ("spec_position_verified", "spec_position_accepted"):
-        out[key] = [sum(col) for col in zip(*(m.get(key) or [] for m in per_rank))] if all(m.get(key) for m in per_rank) else []
-    out.update(spec_figures(out))  # ratios of the summed counters, not sums of ratios
-    out.update((k, v) for k, v in per_rank[0].items() if k.startswith(("spec_cost_", "spec_draft_cost_")))  # rank 0's estimates
-    wall = out.get("wall_seconds") or 0.0
-    if wall:
-        out["generated_tokens_per_second"] = out.get("generated_tokens", 0) / wall
-    ep = dict(per_rank[0].get("expert_parallel") or {})
-    if ep:
-        comm = sum(m["expert_parallel"]["dispatch_seconds"] + m["expert_parallel"]["combine_seconds"] for m in per_rank)
-        forward = sum(m.get("forward_seconds", 0.0) for m in per_rank)
-        ep["dispatch_seconds"] = sum(m["expert_parallel"]["dispatch_seconds"] for m in per_rank)
-        ep["combine_seconds"] = sum(m["expert_parallel"]["combine_seconds"] for m in per_rank)
-        ep["dispatch_combine_share"] = comm / forward if forward else 0.0
-        out["expert_parallel"] = ep
-    out["per_rank"] = per_rank
-    return out
-
-
-def ep_line(metrics: Mapping[str, Any]) -> str:
-    """The expert-parallel part of ``--stats``."""
-    ep = metrics.get("expert_parallel")
-    if not ep:
-        return ""
-    before = ep.get("balancedness_total_before")
-    total = ep.get("balancedness_total")
-    return (
-        f"; EP {ep['size']}: balancedness {_fmt(total)}" + (f" (before rebalancing {_fmt(before)})" if before is not None else "")
-        + f", dispatch+combine {ep['dispatch_combine_share']:.1%} of forward, rebalances {ep['rebalances']} "
-        f"({ep['experts_moved']} expert slots moved)"
-    )
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
-
-
 class ExpertParallelEngine:
-    """The front of an expert-parallel group: spawned ranks (``server`` None) or, under torchrun, rank 0 itself."""
+    """The front of an expert-parallel group (an ``EngineClient``): spawned ranks (``server`` None) or, under
+    torchrun, rank 0 itself."""
 
     def __init__(self, config: EngineConfig, server: RankServer | None = None) -> None:
         self.config = config
@@ -137,6 +92,11 @@ class ExpertParallelEngine:
             self._group = spawn_ranks(config, self.world, START_TIMEOUT_S)
             _, reports = self._receive(START_TIMEOUT_S, starting=True)
             self._take(reports)
+
+    @property
+    def backend_name(self) -> str:
+        """The backend the configuration names (the ranks resolve it)."""
+        return self.config.backend
 
     @property
     def rank_pids(self) -> list[int]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from ..config import EngineConfig
 from ..engine import Engine, resolve_model_dir
+from ..expert_parallel.eplb import EPLBSettings
+from ..expert_parallel.sharding import ExpertParallel
 from ..loader import read_config
 from ..registry import select_backend
-from .expert_parallel import EPLBSettings, ExpertParallel
 from .launch import RankPlace
 from .rank_server import RankServer, control_group
 from ..models.registry import parse_config

@@ -1,6 +1,6 @@
 """Starting the ranks of an expert-parallel group: spawned on this machine, or under torchrun.
 
-``spawn_ranks`` starts one ``python -m deepinfer.parallel.rank_main`` process
+``spawn_ranks`` starts one ``python -m deepinfer.ranks.rank_main`` process
 per rank (nothing of the caller's script is re-imported, so it needs no
 ``__main__`` guard); they rendezvous on a free local port. Each rank connects
 back to the front over an authenticated local socket: rank 0 carries the
@@ -141,7 +141,7 @@ def spawn_ranks(config: EngineConfig, world_size: int, start_timeout_s: float) -
         env = dict(os.environ, **{SPEC_ENV: json.dumps(spec)})
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
         log = open(log_dir / f"rank{rank}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, "-m", "deepinfer.parallel.rank_main"], env=env, stdin=subprocess.DEVNULL,
+        procs.append(subprocess.Popen([sys.executable, "-m", "deepinfer.ranks.rank_main"], env=env, stdin=subprocess.DEVNULL,
                                       stdout=log, stderr=subprocess.STDOUT))
         log.close()
     conns: list[Connection | None] = [None] * world_size

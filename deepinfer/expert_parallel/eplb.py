@@ -14,9 +14,22 @@ from the same load gets the same placement.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .placement import ExpertPlacement
+
+
+@dataclass(frozen=True)
+class EPLBSettings:
+    """When and how the balancer re-places experts (0 interval: never)."""
+
+    num_redundant: int = 0
+    interval: int = 0
+    window: int = 64
+    num_nodes: int = 1
+    num_groups: int | None = None
 
 
 def _replica_counts(load: list[float], extra: int, cap: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Entry point of a spawned rank (``python -m deepinfer.parallel.rank_main``; see ``launch.spawn_ranks``)."""
+"""Entry point of a spawned rank (``python -m deepinfer.ranks.rank_main``; see ``launch.spawn_ranks``)."""
 
 from __future__ import annotations
 

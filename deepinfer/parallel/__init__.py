@@ -1,1 +1,0 @@
-"""Expert parallelism: rank launch, the lockstep protocol, expert placement and EPLB, rank-local weights."""
