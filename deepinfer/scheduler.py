@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer.sequence_state import SequenceState
@@ -46,6 +46,9 @@ from .request import Request, RequestStatus
 from .spec_decode.speculation import Speculation, StepOutlook
 from .stats import EngineStats
 from .step import PLACEHOLDER, ForkSpec, PromptLogprobSpec, ScheduledSequence
+
+if TYPE_CHECKING:
+    from .structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Scheduler:
         speculation: Speculation | None = None,
         chain: bool = False,
         history_tokens: int = 0,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         """``replay_start(hit)`` gives the position from which a request whose first ``hit``
         tokens are cached recomputes (to rebuild state that is not cached), or None when
@@ -81,12 +85,13 @@ class Scheduler:
         ready request's drafts a step verifies, which requests draft after it). ``chain``:
         steps are scheduled while the previous one is in flight (overlap), so speculating requests chain;
         ``history_tokens``: how many tokens before a replay start a first chunk brings as history (the
-        model's n-gram look-back)."""
+        model's n-gram look-back). ``structured``: the requests' grammars, which refuse drafts they do not allow."""
         self.kv = kv
         self.history_tokens = history_tokens
         self.chain = chain
         self.replay_start = replay_start
         self.speculation = speculation
+        self.structured = structured
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         #: most tokens of one sequence in one step
@@ -269,8 +274,8 @@ class Scheduler:
         if self._chains(req):
             return max(0, req.max_total_tokens - req.num_computed_tokens - 2) if req.proposing else 0
         n = max(0, req.max_total_tokens - req.num_tokens - 1)
-        if req.grammar is not None and n:
-            n = req.grammar.validate_draft(list(req.draft.tokens[:n]))
+        if n and self.structured is not None and self.structured.constrains(req.request_id):
+            n = self.structured.accepted_drafts(req.request_id, list(req.draft.tokens[:n]))
         return n
 
     def _drafts(self, req: Request, k: int) -> list[int]:
