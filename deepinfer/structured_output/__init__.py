@@ -14,7 +14,6 @@ from .bitmask import allocate_bitmask
 from .compiler import GrammarCompilerCache
 from .manager import StructuredOutputManager
 from .matcher import RequestGrammar, fill_batch_bitmask
-from .xgrammar_import import import_xgrammar
 
 __all__ = [
     "GrammarCompilerCache",
@@ -22,5 +21,4 @@ __all__ = [
     "StructuredOutputManager",
     "allocate_bitmask",
     "fill_batch_bitmask",
-    "import_xgrammar",
 ]
