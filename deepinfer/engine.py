@@ -40,9 +40,9 @@ from .scheduler import Scheduler
 from .spec_decode.inflight import DraftLedger, rejected_drafts
 from .spec_decode.speculation import Speculation, step_kind
 from .stats import EngineLoad, EngineStats
-from .step import GrammarGate, Step, StepResult
+from .step import ScheduledSequence, Step, StepResult
 from .step_executor import StepExecutor
-from .structured_output import GrammarCompilerCache, allocate_bitmask
+from .structured_output import StructuredOutputManager
 
 log = logging.getLogger("deepinfer")
 
@@ -103,6 +103,7 @@ class Engine:
         gen = read_generation_config(model_dir)
         eos = gen.get("eos_token_id", mc.eos_token_id)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, next(iter(sorted(self.eos_token_ids)), None))
         plan = self.runner.plan
         self.store = self._open_store(model_dir) if config.kv_store and config.enable_prefix_caching else None
         if config.kv_store and not config.enable_prefix_caching:
@@ -121,7 +122,7 @@ class Engine:
         self.overlap = self.backend.device.capabilities().asynchronous if overlap is None else overlap
         self.overlap = self.overlap and sharding is None  # lockstep: one forward per step, in order
         #: every speculating request's drafts in flight
-        self.drafts = DraftLedger(self.speculation, chain=self.overlap)
+        self.drafts = DraftLedger(self.speculation, chain=self.overlap, structured=self.structured)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start, self.stats,
             self.drafts, history_tokens=max(0, self.runner.geometry.history_window - 1),
@@ -131,7 +132,6 @@ class Engine:
         #: every completion the device may still return tokens for, by its own id
         self._live: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._grammar_cache: GrammarCompilerCache | None = None
         self.executor = StepExecutor(self.runner, threaded=self.overlap)
         self._inflight: deque[tuple[Step, Future]] = deque()
         #: installs of stored blocks handed to the device (checked before the steps after them are applied)
@@ -153,13 +153,6 @@ class Engine:
         self.executor.close()
         if self.store is not None:
             self.store.close()
-
-    def _grammars(self) -> GrammarCompilerCache:
-        """The grammar compiler, built on the first constrained request (xgrammar loads slowly)."""
-        if self._grammar_cache is None:
-            eos = next(iter(sorted(self.eos_token_ids)), None)
-            self._grammar_cache = GrammarCompilerCache(self.tokenizer, self.vocab_size, eos)
-        return self._grammar_cache
 
     def _replay_start(self, hit: int) -> int | None:
         """Where a request with ``hit`` cached tokens starts computing; None: the hit is too short
@@ -248,7 +241,7 @@ class Engine:
             for child in children:
                 child.siblings = children
                 if params.structured_outputs is not None:
-                    child.grammar = self._grammars().request_grammar(params.structured_outputs)
+                    self.structured.add(child.request_id, params.structured_outputs)
         except DeepInferError as exc:
             req.status = RequestStatus.FINISHED
             req.finish_reason = "abort"
@@ -319,7 +312,7 @@ class Engine:
                 del self.requests[rid]
                 for child in req.siblings:
                     if not child.num_pending:
-                        self._live.pop(child.request_id, None)
+                        self._forget(child)
 
     @property
     def has_unfinished(self) -> bool:
@@ -338,41 +331,17 @@ class Engine:
         if not out.sequences:
             return None, list(out.preempted)
         step = Step(out.sequences, finished_request_ids=out.finished_request_ids)
-        sampled = step.sampled
-        constrained = [(i, j) for i, s in enumerate(sampled) if self._live[s.request_id].grammar is not None
-                       for j in range(len(s.draft_token_ids) + 1)]
-        if constrained:
-            step.grammar = GrammarGate(allocate_bitmask(len(constrained), self.vocab_size), constrained)
+        step.grammar = self.structured.gate(step.sampled)
         return step, list(out.preempted)
 
-    def _fill_grammar(self, step: Step) -> None:
-        """Write the constrained sequences' masks; their grammars have seen every earlier token.
+    def _draft_tokens(self, s: ScheduledSequence) -> list[int]:
+        """The drafts ``s`` verifies (the ledger's answer: its own, or a chained record's from its step in flight)."""
+        return self.drafts.verifies(s, self._live[s.request_id])
 
-        A verifying sequence has a row before each of its drafts: the matcher steps over the drafts and
-        is rolled back after (verification decides). A draft the grammar refuses (a chained record's
-        drafts were not known when it was scheduled) is excluded by its own row, so verification rejects
-        it there; the rows after it are never read and stay all-allowed."""
-        gate = step.grammar
-        if gate is None or gate.ready.is_set():
-            return
-        sampled = step.sampled
-        stepped: dict[int, int] = {}
-        refused: set[int] = set()
-        for row, (i, j) in enumerate(gate.rows):
-            if i in refused:
-                continue
-            s = sampled[i]
-            req = self._live[s.request_id]
-            req.grammar.fill_bitmask(gate.bitmask, row)
-            drafts = self.drafts.verifies(s, req)
-            if j < len(drafts):  # the next row is the position after this draft: step the matcher over it
-                if req.grammar.accept(drafts[j]):
-                    stepped[i] = stepped.get(i, 0) + 1
-                else:
-                    refused.add(i)
-        for i, n in stepped.items():
-            self._live[sampled[i].request_id].grammar.rollback(n)
-        gate.ready.set()
+    def _forget(self, req: Request) -> None:
+        """Drop a completion the device will return nothing more for, and its matcher."""
+        self._live.pop(req.request_id, None)
+        self.structured.release(req.request_id)
 
     def step(self) -> list[Request]:
         """Advance by one step; return the requests (first completions) that gained tokens, finished or were preempted.
@@ -386,7 +355,7 @@ class Engine:
         self.stats.schedule_seconds += time.perf_counter() - t0
         if step is not None:
             if not self._inflight:
-                self._fill_grammar(step)  # nothing pending: the masks can be written now
+                self.structured.fill(step, self._draft_tokens)  # nothing pending: the masks can be written now
             self._inflight.append((step, self.executor.submit(step)))
         else:
             if not self._inflight and self.scheduler.waiting and not self.scheduler.running:
@@ -411,7 +380,7 @@ class Engine:
             changed.extend(self._apply(done, result))
             applied.append((done, result))
             for pending, _ in self._inflight:
-                self._fill_grammar(pending)  # the device waits for these before sampling
+                self.structured.fill(pending, self._draft_tokens)  # the device waits for these before sampling
         self._write_through()
         wall = time.perf_counter() - t0
         self.stats.wall_seconds += wall
@@ -458,7 +427,7 @@ class Engine:
                     if req.status is RequestStatus.RUNNING:
                         self.drafts.drafted(req, result.drafts.get(s.request_id))
                 if req.finished and not req.num_pending and req.siblings[0].request_id not in self.requests:
-                    self._live.pop(req.request_id, None)
+                    self._forget(req)
             if not req.finished:
                 self.kv.commit(req)
         return changed
@@ -479,11 +448,10 @@ class Engine:
         if m.first_token_time is None:
             m.first_token_time = now
         reason: tuple[str, str | int | None] | None = None
-        grammar = req.grammar
-        if grammar is not None and not grammar.accept(token):
+        if not self.structured.accept(req.request_id, token):
             self._fail(req, f"token {token} was sampled outside the output grammar (a kernel ignored the bitmask)")
             return
-        if grammar is not None and grammar.is_terminated:
+        if self.structured.is_complete(req.request_id):
             reason = ("stop", None)
         elif not p.ignore_eos and token in self.eos_token_ids:
             reason = ("stop", None)

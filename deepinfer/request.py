@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
     from .kv_transfer.sequence_state import SequenceState
     from .spec_decode.inflight import SpecState
-    from .structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -63,8 +62,6 @@ class Request:
     #: the one-line reason this request failed (None: it did not)
     error: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
-    #: its structured-output matcher (None: unconstrained)
-    grammar: RequestGrammar | None = None
     #: the sibling whose prompt state this one copies instead of prefilling (None: it prefills itself)
     fork_source: Request | None = None
     #: every completion of this prompt, in index order (this request alone when n == 1)

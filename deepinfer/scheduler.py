@@ -49,6 +49,7 @@ from .stats import EngineStats
 from .step import ForkSpec, PromptLogprobSpec, ScheduledSequence
 
 
+
 @dataclass
 class SchedulerOutput:
     sequences: list[ScheduledSequence] = field(default_factory=list)

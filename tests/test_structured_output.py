@@ -18,8 +18,8 @@ import torch
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from deepinfer.grammar.json_schema import names_unescapable
-from deepinfer.grammar.vocab import BYTE_FALLBACK, BYTE_LEVEL, byte_level_alphabet, detect_layout
+from deepinfer.structured_output.json_schema import names_unescapable
+from deepinfer.structured_output.vocab import BYTE_FALLBACK, BYTE_LEVEL, byte_level_alphabet, detect_layout
 from deepinfer.sampling_params import InvalidRequestError, StructuredOutputsParams
 from deepinfer.structured_output import GrammarCompilerCache, RequestGrammar, allocate_bitmask, fill_batch_bitmask
 from deepinfer_interfaces.kernels import Kernels, unpack_bitmask

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..request import Request
 from ..step import PLACEHOLDER, DraftProposal, SampledToken, ScheduledSequence, Step
 from .speculation import Speculation, StepOutlook
+
+if TYPE_CHECKING:
+    from ..structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -57,11 +60,15 @@ class DraftLedger:
     """The one owner of every request's ``SpecState``: what the scheduler reads to admit drafts and pick
     drafters, and what the engine updates as steps are verified and drafts made."""
 
-    def __init__(self, speculation: Speculation | None = None, chain: bool = False) -> None:
+    def __init__(
+        self, speculation: Speculation | None = None, chain: bool = False, structured: StructuredOutputManager | None = None,
+    ) -> None:
         """``speculation``: the admission policy and its counters (None: speculation is off, nobody drafts).
-        ``chain``: steps are scheduled while the previous one is in flight (overlap), so speculating requests chain."""
+        ``chain``: steps are scheduled while the previous one is in flight (overlap), so speculating requests
+        chain. ``structured``: the requests' grammars, which refuse drafts they do not allow."""
         self.speculation = speculation
         self.chain = chain
+        self.structured = structured
 
     def start(self, req: Request) -> None:
         """Give a new request its state: a ``SpecState`` when speculation is on."""
@@ -102,8 +109,8 @@ class DraftLedger:
         if self.chains(req):
             return max(0, req.max_total_tokens - req.num_computed_tokens - 2) if req.spec.proposing else 0
         n = max(0, req.max_total_tokens - req.num_tokens - 1)
-        if req.grammar is not None and n:
-            n = req.grammar.validate_draft(list(req.spec.draft.tokens[:n]))
+        if n and self.structured is not None and self.structured.constrains(req.request_id):
+            n = self.structured.accepted_drafts(req.request_id, list(req.spec.draft.tokens[:n]))
         return n
 
     def _drafts(self, req: Request, k: int) -> list[int]:

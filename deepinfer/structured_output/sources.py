@@ -1,10 +1,21 @@
-"""Compiler input for choices, regexes and grammars, with the cases the compiler would get silently wrong refused."""
+"""Compiler input for each kind of constraint, with the cases the compiler would get silently wrong refused."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-from ..sampling_params import InvalidRequestError
+from ..sampling_params import InvalidRequestError, StructuredOutputsParams
+from .json_schema import prepare_json_schema
+
+#: what each kind of constraint is called in error messages
+KIND_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON object",
+    "regex": "regex",
+    "grammar": "grammar",
+    "choice": "choice",
+}
 
 _EBNF_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
@@ -62,3 +73,37 @@ def compiler_message(exc: BaseException) -> str:
     line = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)
     line = re.sub(r"^Check failed: \(.*?\) is false:\s*", "", line)
     return line.rstrip(".")
+
+
+@dataclass(frozen=True)
+class GrammarSource:
+    """What the compiler is given: the kind of constraint (a key of ``KIND_NAMES``) and its text.
+
+    Equal sources compile to the same automaton, so a source is the compile cache's key.
+    """
+
+    kind: str
+    text: str
+
+    @property
+    def kind_name(self) -> str:
+        """The kind as error messages call it."""
+        return KIND_NAMES[self.kind]
+
+
+def grammar_source(params: StructuredOutputsParams) -> GrammarSource:
+    """The compiler input for ``params``; ``InvalidRequestError`` for what the compiler would get wrong.
+
+    A JSON schema given as a dict or as JSON text yields the same source (key
+    order is kept: it sets the order of the output's properties).
+    """
+    if params.json is not None:
+        return GrammarSource("json", prepare_json_schema(params.json))
+    if params.json_object:
+        return GrammarSource("json_object", "")
+    if params.regex is not None:
+        check_regex(params.regex)
+        return GrammarSource("regex", params.regex)
+    if params.grammar is not None:
+        return GrammarSource("grammar", params.grammar)
+    return GrammarSource("choice", choice_ebnf(list(params.choice or [])))

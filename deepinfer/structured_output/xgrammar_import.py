@@ -1,4 +1,4 @@
-"""Pieces of structured output: the tokenizer's vocabulary for xgrammar, request checks, error lines."""
+"""The xgrammar library, imported on first use: it loads slowly and is an optional dependency."""
 
 from __future__ import annotations
 

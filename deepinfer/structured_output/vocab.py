@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from . import import_xgrammar
+from .xgrammar_import import import_xgrammar
 
 BYTE_LEVEL = "byte_level"
 BYTE_FALLBACK = "byte_fallback"
