@@ -26,7 +26,7 @@ from .expert_parallel.sharding import ExpertParallel
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import PrefilledRequest
 from .kv_transfer.sequence_state import SequenceState
-from .kv_store import BlockWrite, KVStore, PartShape, StoreStats, open_store, store_line
+from .kv_store import KVStore, PartShape, StoreStats, open_store, store_line
 from .loader import load_tokenizer, read_generation_config
 from .models.common.config import ModelConfig
 from .models.registry import check_prompt
@@ -106,6 +106,7 @@ class Engine:
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, next(iter(sorted(self.eos_token_ids)), None))
         plan = self.runner.plan
         self.store = self._open_store(model_dir) if config.kv_store and config.enable_prefix_caching else None
+        self.runner.store = self.store
         if config.kv_store and not config.enable_prefix_caching:
             log.warning("kv_store %s is not used: it serves the prefix cache, which is off; set enable_prefix_caching=True", config.kv_store)
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, plan.num_slots, config.enable_prefix_caching, store=self.store)
@@ -134,8 +135,6 @@ class Engine:
         self._ids = itertools.count()
         self.executor = StepExecutor(self.runner, threaded=self.overlap)
         self._inflight: deque[tuple[Step, Future]] = deque()
-        #: installs of stored blocks handed to the device (checked before the steps after them are applied)
-        self._loading: deque[Future] = deque()
 
     def _open_store(self, model_dir: Path) -> KVStore | None:
         """The KV store the config names, fingerprinted by everything that shapes a block's contents."""
@@ -323,14 +322,10 @@ class Engine:
     def _next_step(self) -> tuple[Step | None, list[Request]]:
         """Schedule the next step; also return the requests it preempted."""
         out = self.scheduler.schedule()
-        loads = self.kv.take_loads()
-        if loads.block_ids:  # stored blocks this step may read: installed before it, in device order
-            self._loading.append(self.executor.call(self.runner.cache.write_blocks, loads.block_ids, loads.data))
-        for slot, blocks, state in out.installs:  # imported sequences: their state before the step that reads it
-            self._loading.append(self.executor.call(self.runner.install_sequence, slot, blocks, state))
         if not out.sequences:
             return None, list(out.preempted)
-        step = Step(out.sequences, finished_request_ids=out.finished_request_ids)
+        step = Step(out.sequences, finished_request_ids=out.finished_request_ids, kv_store=self.kv.take_store_ops(),
+                    installs=out.installs)
         step.grammar = self.structured.gate(step.sampled)
         return step, list(out.preempted)
 
@@ -369,9 +364,7 @@ class Engine:
         while len(self._inflight) > keep:
             done, fut = self._inflight.popleft()
             t1 = time.perf_counter()
-            result = fut.result()
-            while self._loading and self._loading[0].done():
-                self._loading.popleft().result()  # a failed install fails the engine, never a silent wrong state
+            result = fut.result()  # a failed install fails the engine, never a silent wrong state
             self.stats.idle_wait_seconds += time.perf_counter() - t1
             self.stats.forward_seconds += result.forward_seconds
             self.stats.graph_replays += int(result.graph)
@@ -381,7 +374,8 @@ class Engine:
             applied.append((done, result))
             for pending, _ in self._inflight:
                 self.structured.fill(pending, self._draft_tokens)  # the device waits for these before sampling
-        self._write_through()
+        if not self.has_unfinished:
+            self._flush_store_ops()
         wall = time.perf_counter() - t0
         self.stats.wall_seconds += wall
         if self.speculation is not None and len(applied) == 1:  # one step's whole cycle, as the policy prices it
@@ -390,13 +384,12 @@ class Engine:
                                          wall - result.draft_seconds, len(result.drafts), result.draft_seconds)
         return list({id(r): r for r in (c.siblings[0] for c in changed)}.values())
 
-    def _write_through(self) -> None:
-        """Hand the blocks committed since the last call to the store: copied off the device after the
-        steps that wrote them, written on the store's thread."""
-        saves = self.kv.take_saves()
-        if saves and self.store is not None:
-            copies = self.executor.call(self.runner.cache.read_blocks, [s.block_id for s in saves])
-            self.store.write([BlockWrite(s.block_hash, s.cache_class) for s in saves], copies)
+    def _flush_store_ops(self) -> None:
+        """The store work no next step will carry (nothing is left to run): applied by the runner now, so
+        every committed block is with the store's writer when ``step`` returns."""
+        ops = self.kv.take_store_ops()
+        if not ops.empty:
+            self.executor.call(self.runner.apply_kv_store, ops).result()
 
     def _apply(self, step: Step, result: StepResult) -> list[Request]:
         """Take a finished step's tokens into the requests: log-probabilities, stop conditions, cache commits."""

@@ -9,39 +9,20 @@ everything before it: each running request holds one slot for it.
 With a KV store (``deepinfer/kv_store``) below the in-memory cache, a prefix
 that misses in memory continues in the store: its stored blocks get fresh
 blocks here, named by their hashes like committed ones, and their contents
-wait in ``loads`` for the engine to install before the next step. Newly
-committed blocks wait in ``saves`` for the engine to write through.
+wait in ``loads``; newly committed blocks wait in ``saves``. Both leave in the
+``KVStoreOps`` of the next step the engine builds, which the model runner applies.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .block_pool import BlockPool, chain_hashes
+from .kv_store.step_ops import BlockLoad, BlockSave, KVStoreOps
 from .request import Request
 
 if TYPE_CHECKING:
-    import torch
-
     from .kv_store import KVStore
-
-
-@dataclass
-class BlockLoads:
-    """Blocks filled from the store: their contents (``ModelCache.read_blocks``'s form), to install."""
-
-    block_ids: list[int] = field(default_factory=list)
-    data: list[list["torch.Tensor"]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class BlockSave:
-    """A newly committed block to write through: where it is, its hash, its retention class."""
-
-    block_id: int
-    block_hash: int
-    cache_class: str
 
 
 class KVCacheManager:
@@ -53,7 +34,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.salt = salt
         self.store = store if enable_prefix_caching else None
-        self.loads = BlockLoads()
+        self.loads: list[BlockLoad] = []
         self.saves: list[BlockSave] = []
         #: request id -> how many of its block hashes the store was asked for (a waiting request asks once)
         self._probed: dict[str, int] = {}
@@ -100,26 +81,20 @@ class KVCacheManager:
         for block_id, h in zip(fresh, hashes):
             self.pool.register(block_id, h)
         self.pool.release(hit + fresh)
-        self.loads.block_ids.extend(fresh)
-        self.loads.data.extend(data)
+        self.loads.extend(BlockLoad(block_id, blocks) for block_id, blocks in zip(fresh, data))
         return fresh
 
     def cache_class(self, req: Request) -> str:
         """The store's retention class of ``req``'s blocks."""
         return self.store.policy.class_for(req.params.cache_class) if self.store is not None else ""
 
-    def take_loads(self) -> BlockLoads:
-        """The loads since the last call (a block loaded twice, evicted in between, keeps its last contents)."""
-        loads, self.loads = self.loads, BlockLoads()
-        last = {b: i for i, b in enumerate(loads.block_ids)}
-        if len(last) == len(loads.block_ids):
-            return loads
-        keep = sorted(last.values())
-        return BlockLoads([loads.block_ids[i] for i in keep], [loads.data[i] for i in keep])
-
-    def take_saves(self) -> list[BlockSave]:
-        saves, self.saves = self.saves, []
-        return saves
+    def take_store_ops(self) -> KVStoreOps:
+        """The saves and loads since the last call, for the step being built (a block loaded twice, evicted in
+        between, keeps its last contents)."""
+        latest = {load.block_id: load for load in self.loads}
+        ops = KVStoreOps(self.saves, list(latest.values()))
+        self.saves, self.loads = [], []
+        return ops
 
     def allocate(self, req: Request, num_tokens: int, hit: list[int] | None = None) -> bool:
         """Make room for the first ``num_tokens`` tokens of ``req``; False (nothing changed) if it cannot."""

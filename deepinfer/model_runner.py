@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from .decode_graphs import DecodeGraph, DecodeGraphs, default_capture_sizes
 from .errors import ConfigError
 from .expert_parallel.lockstep import StepDispatch, StepKind
 from .expert_parallel.sharding import ExpertParallel
+from .kv_store import KVStore, KVStoreOps
 from .kv_transfer.sequence_state import SequenceState, plan_sequence, read_sequence, write_sequence
 from .models.common.batch import Batch
 from .models.common.cache import ModelCache
@@ -172,6 +174,8 @@ class ModelRunner:
             self.dtype, self.torch_device,
         )
         log.info(self.plan.describe())
+        #: the KV store over this cache (the engine opens it): the writer the blocks steps save go to
+        self.store: KVStore | None = None
         self.sampler = Sampler(self.kernels, self.device, cfg.seed)
         self.proposer = DSparkProposer(draft, self.plan.num_slots) if draft is not None else None
         #: per layer the draft reads (none without speculation), what each forward keeps of its hidden states
@@ -337,6 +341,9 @@ class ModelRunner:
     def execute(self, step: Step) -> StepResult:
         """Run ``step`` and sample its sequences; steps must come in submission order."""
         t0 = time.perf_counter()
+        self.apply_kv_store(step.kv_store)
+        for install in step.installs:
+            self.install_sequence(install.slot, install.block_ids, install.state)
         step = self._outcomes.resolve(step)
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
@@ -398,6 +405,24 @@ class ModelRunner:
         """Every tensor a sequence's state is read from: the cache pools and the draft's context rings."""
         ring = self.proposer.ring if self.proposer is not None else None
         return self.cache.pools() + ([ring.ctx, ring.kv] if ring is not None else [])
+
+    @torch.inference_mode()
+    def apply_kv_store(self, ops: KVStoreOps) -> None:
+        """A step's store work, before its forward (device thread): the blocks committed since the previous
+        step copied to the host and handed to the store's writer, then the stored blocks installed."""
+        if ops.saves and self.store is not None:
+            self.store.write([s.write for s in ops.saves], self._copy_blocks([s.block_id for s in ops.saves]))
+        if ops.loads:
+            self.cache.write_blocks([load.block_id for load in ops.loads], [load.data for load in ops.loads])
+
+    def _copy_blocks(self, block_ids: list[int]) -> Future[list[list[torch.Tensor]]]:
+        """Host copies of the blocks, as the store's writer takes them: a failed copy is its to drop, not the step's."""
+        copies: Future[list[list[torch.Tensor]]] = Future()
+        try:
+            copies.set_result(self.cache.read_blocks(block_ids))
+        except Exception as exc:
+            copies.set_exception(exc)
+        return copies
 
     @torch.inference_mode()
     def install_sequence(self, slot: int, blocks: list[int], state: SequenceState) -> None:

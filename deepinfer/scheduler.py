@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .kv_cache_manager import KVCacheManager
-from .kv_transfer.sequence_state import SequenceState
+from .kv_transfer.sequence_state import SequenceInstall
 from .request import Request, RequestStatus
 from .spec_decode.inflight import DraftLedger
 from .spec_decode.speculation import StepOutlook
@@ -56,8 +56,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     #: requests finished since the previous output
     finished_request_ids: list[str] = field(default_factory=list)
-    #: imported sequences to install before this step: (slot, block table, state)
-    installs: list[tuple[int, list[int], SequenceState]] = field(default_factory=list)
+    #: imported sequences to install before this step
+    installs: list[SequenceInstall] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -201,7 +201,7 @@ class Scheduler:
         req.num_computed_tokens = n
         req.state_floor = 0
         self.running.append(req)
-        out.installs.append((self.kv.slots[req.request_id], list(self.kv.tables[req.request_id]), req.imported))
+        out.installs.append(SequenceInstall(self.kv.slots[req.request_id], list(self.kv.tables[req.request_id]), req.imported))
         req.imported = None  # preempted later, it is recomputed from its tokens like any other
         self._emit(out, req, n, req.num_tokens - n)
         return True

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from .kv_store.step_ops import KVStoreOps
+
+if TYPE_CHECKING:
+    from .kv_transfer.sequence_state import SequenceInstall
 
 #: a token the previous step samples on the device and the host has not seen yet
 PLACEHOLDER = -1
@@ -144,12 +150,17 @@ class GrammarGate:
 
 @dataclass
 class Step:
-    """What the device runs: the scheduled sequences, the grammar masks, and requests it may forget."""
+    """What the device runs: the scheduled sequences, the grammar masks, requests it may forget, and the
+    cache state to move before the forward."""
 
     sequences: list[ScheduledSequence]
     grammar: GrammarGate | None = None
     #: requests finished since the last step (the sampler drops their generators)
     finished_request_ids: list[str] = field(default_factory=list)
+    #: the KV store's blocks to copy off the device, then to install, before the forward
+    kv_store: KVStoreOps = field(default_factory=KVStoreOps)
+    #: other engines' sequence states to install before the forward, after the store's blocks
+    installs: list[SequenceInstall] = field(default_factory=list)
 
     @property
     def sampled(self) -> list[ScheduledSequence]:

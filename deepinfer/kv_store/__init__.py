@@ -10,9 +10,13 @@ import torch
 from .block_file import FORMAT_VERSION, PartShape
 from .fingerprint import describe_model, fingerprint
 from .policy import StorePolicy, store_policy
+from .step_ops import BlockLoad, BlockSave, KVStoreOps
 from .store import BlockWrite, KVStore, StoreStats, store_line
 
-__all__ = ["BlockWrite", "KVStore", "PartShape", "StorePolicy", "StoreStats", "open_store", "store_line", "store_policy"]
+__all__ = [
+    "BlockLoad", "BlockSave", "BlockWrite", "KVStore", "KVStoreOps", "PartShape", "StorePolicy", "StoreStats", "open_store", "store_line",
+    "store_policy",
+]
 
 
 def open_store(

@@ -122,6 +122,16 @@ def reads(plan: SequenceState) -> list[RowRead]:
 
 
 @dataclass
+class SequenceInstall:
+    """Another engine's sequence state to install into ``slot`` and the (freshly allocated) ``block_ids``
+    before the step that reads it (a decode engine's first step of a prefilled request)."""
+
+    slot: int
+    block_ids: list[int]
+    state: SequenceState
+
+
+@dataclass
 class PrefilledRequest:
     """What a prefill engine hands a decode engine for one request: the state of its prompt and the
     token(s) it sampled after it (the decode engine feeds them next)."""
