@@ -35,4 +35,4 @@ test-fast: $(STAMP)
 
 # every CUDA Triton kernel compiled ahead of time for sm_90 and sm_100 at the launchers' configurations (no GPU needed)
 compile-check: $(STAMP)
-	DEEPINFER_COMPILE_SWEEP=1 $(BIN)/python -m pytest -q tests/test_cuda_compile.py
+	DEEPINFER_COMPILE_SWEEP=1 $(BIN)/python -m pytest -q tests/backends/cuda/test_cuda_compile.py
