@@ -2,12 +2,12 @@
 
 Every mutant of ``tests/conformance/mutants.py`` that end to end catches (and of
 ``tests/conformance/mutants_ops.py`` when that module exists and its mutants fail e2e) is
-installed as a real plugin and bisected in its own process; the culprits it
-prints must be the ops the mutant breaks.
+installed as a real plugin and bisected by ``deepinfer conformance --bisect``
+(the commands in two processes side by side, sharing the reference's e2e
+decodes); the culprits it prints must be the ops the mutant breaks.
 """
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,7 @@ from deepinfer_conformance.results import CaseResult
 from deepinfer_interfaces import Kernels
 from tests.conformance import mutants, mutants_ops
 from tests.helpers.checkpoints import make_tiny_checkpoint
-from tests.helpers.plugins import make_plugin_dist, run_cli
+from tests.helpers.plugins import make_plugin_dist, run_cli, run_cli_batch
 from tests.conformance.test_mutants import EXPECTED
 
 
@@ -98,14 +98,9 @@ CAUGHT = {name: ops for name, (ops, checkpoint, _) in EXPECTED.items() if checkp
 @pytest.fixture(scope="module")
 def bisected(installed):
     root, checkpoint = installed
-
-    def one(name):
-        return run_cli(["conformance", "--backend", "cpu", "--kernels", name, "--bisect", "--model", str(checkpoint)],
-                       extra_path=root, env={"OMP_NUM_THREADS": "1"})
-
     names = [*CAUGHT, *EXTRA]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip(names, pool.map(one, names)))
+    commands = [["conformance", "--backend", "cpu", "--kernels", name, "--bisect", "--model", str(checkpoint)] for name in names]
+    return dict(zip(names, run_cli_batch(commands, extra_path=root, env={"OMP_NUM_THREADS": "1"})))
 
 
 def _culprits(stdout: str) -> set[str]:

@@ -14,7 +14,7 @@ from deepinfer_conformance.compare import RMS_MIN_ELEMENTS, compare, rms_rel_err
 from deepinfer_conformance.ops import run_spec
 from deepinfer_cpu.device import CPUDevice
 from deepinfer_interfaces import Kernels
-from deepinfer_interfaces.specs import RMS_LIMITS, SPECS, Case, OpSpec, Tolerance, register
+from deepinfer_interfaces.specs import SPECS, Case, OpSpec, Tolerance, register
 from tests.conformance import mutants_ops
 
 #: mutant -> {op: cases that must fail (each in at least one dtype)}; its other ops must pass

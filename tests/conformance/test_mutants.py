@@ -2,10 +2,11 @@
 in the case that exercises its bug; the correct alternative sets pass everything.
 
 Each mutant is installed as a real plugin (a dist-info next to a copy of the
-module) and checked by ``deepinfer conformance --kernels NAME --suite ops,e2e``
-in its own process, every op spec included so that "only the ops it breaks" is
-checked against the whole suite (the full op suite takes about a second). The
-processes run side by side.
+module) and checked by ``deepinfer conformance --kernels NAME --suite ops,e2e``,
+every op spec included so that "only the ops it breaks" is checked against the
+whole suite (the full op suite takes about a second). The commands run in two
+processes side by side (``run_cli_batch``), which share the reference's e2e
+decodes of each checkpoint.
 
 E2E needs a checkpoint where the bug changes the model's output:
 
@@ -25,7 +26,6 @@ The communicator mutant (a dispatch that drops the last token) is covered by
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,7 @@ import pytest
 from tests.conformance import mutants
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.published import make_published_checkpoint
-from tests.helpers.plugins import make_plugin_dist, run_cli
+from tests.helpers.plugins import make_plugin_dist, run_cli_batch
 
 #: mutant -> (ops whose parity it must fail, checkpoint for e2e, e2e cases that must fail)
 EXPECTED = {
@@ -95,20 +95,15 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reports(plugin_root, checkpoints, tmp_path_factory) -> dict[str, tuple[object, dict | None]]:
     out = tmp_path_factory.mktemp("reports")
-
-    def check(name: str):
-        report = out / f"{name}.json"
-        checkpoint = EXPECTED[name][1] if name in EXPECTED else "mixed"
-        proc = run_cli(
-            ["conformance", "--backend", "cpu", "--kernels", name, "--suite", "ops,e2e",
-             "--model", str(checkpoints[checkpoint]), "--report", str(report)],
-            extra_path=plugin_root, env={"OMP_NUM_THREADS": "1"},
-        )
-        return proc, json.loads(report.read_text()) if report.exists() else None
-
     names = [*EXPECTED, *mutants.ALTERNATIVES]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip(names, pool.map(check, names)))
+    commands = [
+        ["conformance", "--backend", "cpu", "--kernels", name, "--suite", "ops,e2e",
+         "--model", str(checkpoints[EXPECTED[name][1] if name in EXPECTED else "mixed"]), "--report", str(out / f"{name}.json")]
+        for name in names
+    ]
+    procs = run_cli_batch(commands, extra_path=plugin_root, env={"OMP_NUM_THREADS": "1"})
+    return {name: (proc, json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else None)
+            for name, proc in zip(names, procs)}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

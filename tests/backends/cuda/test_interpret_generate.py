@@ -21,9 +21,15 @@ def _generate(ckpt, *extra):
     return proc.stdout
 
 
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """The reference kernels' text, once for both kernel sets."""
+    text = _generate(ckpt, "--kernels", "reference")
+    assert len(text.strip()) > 0
+    return text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["cuda", "ascend"])
-def test_interpreted_kernel_set_matches_reference(ckpt, kernels):
-    reference = _generate(ckpt, "--kernels", "reference")
-    assert len(reference.strip()) > 0
+def test_interpreted_kernel_set_matches_reference(ckpt, reference, kernels):
     assert _generate(ckpt, "--kernels", kernels, "--interpret") == reference
