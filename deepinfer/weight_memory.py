@@ -8,8 +8,8 @@ figures are the engine's own parameter bytes, not an estimate. They come in
 parts placed differently: the backbone (routed experts split by expert
 parallelism), tables a family keeps on every rank (V4.1's Engram n-gram
 tables) and the draft (its routed experts split the same way). Nothing is
-downloaded or read beyond those two files: what a user checks before fetching
-hundreds of GB.
+downloaded or read beyond those two files (the shards' headers when there is no
+index): what a user checks before fetching hundreds of GB.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from .errors import ConfigError
 from .loader.files import model_directory, read_config, read_json
 from .loader.names import model_name
-from .loader.safetensors_reader import INDEX_FILE
+from .loader.safetensors_reader import INDEX_FILE, open_shard
 from .models.common.causal_lm import CausalLM
 from .models.common.dspark import DSparkConfig, DSparkDraft
 from .models.common.linear import EXPERTS, QuantPlan, role_of
@@ -83,10 +83,18 @@ def largest_rank_bytes(total: int, expert_bytes: int, n_experts: int, ep: int) -
 
 
 def _index(directory: Path) -> tuple[list[str] | None, int | None]:
-    """The tensor names the index lists (as stored), and its total size; (None, None) without an index."""
+    """The tensor names the index lists (as stored), and its total size; without an index, the names the
+    shards' headers list (no size), or (None, None) when there are no shards either."""
     path = directory / INDEX_FILE
     if not path.is_file():
-        return None, None
+        shards = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+        if not shards:
+            return None, None
+        names: list[str] = []
+        for shard in shards:
+            with open_shard(shard) as f:
+                names.extend(f.keys())
+        return names, None
     index = read_json(path, "checkpoint index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     names = list(weight_map) if isinstance(weight_map, dict) else None
