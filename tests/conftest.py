@@ -1,7 +1,17 @@
 """Fixtures shared by the test modules."""
 
-import pytest
-import torch
+import os
+
+# Before torch (and its OpenMP runtime) loads here or in any subprocess a test starts: an OpenMP worker that
+# waits spins ~300000 rounds by default, so when more threads want the two cores than there are (a test's
+# servers, workers and this process; other jobs on the machine) every parallel region can cost a whole time
+# slice, and a 2-thread prefill was measured 10x slower next to one other 2-thread torch process. After 30000
+# rounds a waiter sleeps instead: no slower on an idle machine, about half the time under that contention.
+# An explicit setting in the environment wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
