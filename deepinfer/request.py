@@ -15,7 +15,7 @@ from .step import PLACEHOLDER, SampleSpec
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
     from .kv_transfer.sequence_state import SequenceState
-    from .spec_decode.inflight import SpecState
+    from .spec_decode.spec_state import SpecState
 
 
 class RequestStatus(enum.Enum):

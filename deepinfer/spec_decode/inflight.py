@@ -20,22 +20,11 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..request import Request
 from ..step import PLACEHOLDER, DraftProposal, SampledToken, ScheduledSequence, Step
+from .spec_state import SpecState
 from .speculation import Speculation, StepOutlook
 
 if TYPE_CHECKING:
     from ..structured_output import StructuredOutputManager
-
-
-@dataclass
-class SpecState:
-    """One speculating request's drafts in flight (``Request.spec``; None on a request that does not speculate)."""
-
-    #: its drafted tokens for the step after the last one applied (None: none pending)
-    draft: DraftProposal | None = None
-    #: its latest sampling record drafts after its step (the admission policy picked it)
-    proposing: bool = False
-    #: survival per position of the last draft made for it (what its next draft is expected to achieve)
-    last_survival: tuple[float, ...] | None = None
 
 
 def chained_drafts(draft: DraftProposal | None, anchor_position: int, k: int) -> list[int]:

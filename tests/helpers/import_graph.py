@@ -1,7 +1,8 @@
 """The project's module import graph, read from the source (no imports run), and its cycles.
 
-Every ``import`` and ``from ... import`` counts, at any depth (lazy imports in
-functions included), except those under ``if TYPE_CHECKING:``, which never run.
+Every ``import`` and ``from ... import`` counts, at any depth: lazy imports in
+functions and those under ``if TYPE_CHECKING:`` too (a type-only cycle is still
+a layering knot).
 ``from pkg import name`` points at ``pkg.name`` when that is a module, else at
 ``pkg`` itself.
 """
@@ -89,19 +90,6 @@ def _module_name(package: str, folder: Path, path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node except those under ``if TYPE_CHECKING:`` blocks."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                todo.extend(child.orelse)
-                continue
-            todo.append(child)
-
-
 def build_graph(packages: dict[str, Path] = PACKAGES) -> ImportGraph:
     """The import graph of ``packages`` (import name -> folder)."""
     graph = ImportGraph()
@@ -113,7 +101,7 @@ def build_graph(packages: dict[str, Path] = PACKAGES) -> ImportGraph:
         is_package = path.name == "__init__.py"
         here = module if is_package else module.rpartition(".")[0]
         targets: set[str] = set()
-        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):

@@ -17,13 +17,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .config import ModelConfig
+
+class CacheShape(Protocol):
+    """What the geometry reads of a model's config (``ModelConfig`` provides it)."""
+
+    @property
+    def ratios(self) -> list[int]: ...
+
+    def cache_geometry(self, block_size: int, step: int, max_len: int) -> "CacheGeometry": ...
 
 
-def block_size_for(config: ModelConfig, requested: int) -> int:
+def block_size_for(config: CacheShape, requested: int) -> int:
     """The smallest multiple of ``requested`` that every compress ratio divides."""
     ratios = config.ratios
     lcm = math.lcm(*ratios) if ratios else 1
@@ -120,7 +128,7 @@ class CacheGeometry:
             object.__setattr__(self, "window_pools", tuple((i, 0) for i in range(len(self.layer_types))))
 
     @classmethod
-    def build(cls, config: ModelConfig, block_size: int, max_step_tokens: int, max_len: int) -> "CacheGeometry":
+    def build(cls, config: CacheShape, block_size: int, max_step_tokens: int, max_len: int) -> "CacheGeometry":
         """Rings hold what one step of ``max_step_tokens`` tokens reads and writes; none holds more than
         ``max_len`` rows (a ring that long never wraps)."""
         if block_size % math.lcm(1, *config.ratios):

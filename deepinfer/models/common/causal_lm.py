@@ -138,7 +138,8 @@ class CausalLM(ParamTree):
             layer.ffn.join(self.kernels, x)
 
     def forward(self, inputs: ForwardInputs, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
-        raise NotImplementedError
+        """One step over device inputs: ``[L, vocab]`` logits; each family's model defines it."""
+        raise NotImplementedError(f"{type(self).__name__} defines no forward; a family's model class does")
 
     @torch.inference_mode()
     def __call__(self, batch: Batch, cache: ModelCache, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..common.cache_spec import CacheGeometry, LayerCacheSpec
-from ..common.config import CSA
-
-if TYPE_CHECKING:
-    from .config import DeepseekV4Config
+from ..common.config import CSA, ModelConfig
 
 
-def v4_geometry(config: "DeepseekV4Config", block_size: int, step: int, max_len: int) -> CacheGeometry:
+def v4_geometry(config: ModelConfig, block_size: int, step: int, max_len: int) -> CacheGeometry:
     """A window ring per layer; compressed layers add compressor state rings (CSA's overlapping two
     windows) and entry blocks, CSA's with indexer keys."""
     w = config.sliding_window

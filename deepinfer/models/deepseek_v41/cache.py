@@ -9,14 +9,9 @@ source's pool, after the entries, so one gather reads both.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..common.cache_spec import CacheGeometry, LayerCacheSpec
-from ..common.config import SLIDING
-
-if TYPE_CHECKING:
-    from .config import V41ModelConfig
-    from .text_config import V41Layer
+from ..common.config import SLIDING, ModelConfig
+from .text_config import V41Layer, V41TextConfig
 
 
 def v41_kind(layer: "V41Layer") -> str:
@@ -27,10 +22,9 @@ def v41_kind(layer: "V41Layer") -> str:
     return f"shared{m}.source" if layer.owns_kv else f"shared{m}.reader"
 
 
-def v41_geometry(config: "V41ModelConfig", block_size: int, step: int, max_len: int) -> CacheGeometry:
+def v41_geometry(config: ModelConfig, v: V41TextConfig, block_size: int, step: int, max_len: int) -> CacheGeometry:
     """DeepSeek V4.1: per ratio a source kind (window, compressor state unless the ratio is 1, entries and
-    indexer keys) and a reader kind (window only, in its source's pool)."""
-    v = config.text
+    indexer keys) and a reader kind (window only, in its source's pool); ``v``: the text config's layer roles."""
     w = config.sliding_window
     window = min(w - 1 + step, max_len)
     specs: dict[str, LayerCacheSpec] = {}

@@ -141,7 +141,7 @@ class V41ModelConfig(ModelConfig):
         return self.text.compress_ratios[layer]
 
     def cache_geometry(self, block_size: int, step: int, max_len: int) -> CacheGeometry:
-        return v41_geometry(self, block_size, step, max_len)
+        return v41_geometry(self, self.text, block_size, step, max_len)
 
     def draft_fields(self, raw: dict[str, Any]) -> dict[str, Any] | None:
         """``text_config`` with the validated text config's values (its defaults where the file is silent),
