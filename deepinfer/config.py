@@ -39,6 +39,11 @@ class EngineConfig(BaseModel):
     max_prefill_chunk: int = Field(512, gt=0, description="most tokens of one sequence computed in one step")
     kv_cache_memory: int | None = Field(None, gt=0, description="KV cache budget in bytes")
     kv_cache_memory_fraction: float = Field(0.5, gt=0, le=1, description="fraction of free device memory for the KV cache")
+    kv_cache_dtype: Literal["auto", "fp8", "model"] = Field(
+        "auto",
+        description="auto: the KV rounding and packing the checkpoint was trained with (the model dtype when it has none); "
+        "fp8: packed FP8/FP4 records with block scales; model: plain rows in the model dtype",
+    )
     block_size: int = Field(16, gt=0)
     enable_prefix_caching: bool = True
     swa_replay: Literal["bounded", "exact"] = "bounded"

@@ -154,7 +154,9 @@ class ModelRunner:
         self.max_batched_tokens = cfg.max_num_batched_tokens
         self._profile: StepCostProfile | None = None
         self._draft_profile: StepCostProfile | None = None
-        self.geometry = CacheGeometry.build(self.config, block_size_for(self.config, cfg.block_size), self.max_step_tokens, self.max_model_len)
+        self.geometry = CacheGeometry.build(
+            self.config, block_size_for(self.config, cfg.block_size), self.max_step_tokens, self.max_model_len, cfg.kv_cache_dtype
+        )
         if cfg.kv_cache_memory is not None:
             budget = cfg.kv_cache_memory
         else:

@@ -6,6 +6,8 @@ from .device import Device, DeviceCapabilities, HostEvent, HostStream, host_stre
 from .errors import NotSupportedError
 from .kernels import Kernels
 from .kv_connector import KVConnector, KVConnectorError
+from .kv_format import KVFormat
+from .packed_pool import PackedPool, PackedRegion
 from .quant import QuantizedWeight
 from .version import INTERFACE_VERSION
 
@@ -21,8 +23,11 @@ __all__ = [
     "HostStream",
     "KVConnector",
     "KVConnectorError",
+    "KVFormat",
     "Kernels",
     "NotSupportedError",
+    "PackedPool",
+    "PackedRegion",
     "QuantizedWeight",
     "host_stream_context",
     "record_stream_graph",

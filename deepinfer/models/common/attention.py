@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_interfaces import Kernels, QuantizedWeight
+from deepinfer_interfaces import Kernels, KVFormat, QuantizedWeight
 
 from .cache import COMPRESSOR, INDEXER, ModelCache
 from .compressor import Compressor
@@ -50,9 +50,10 @@ class Indexer(ParamTree):
         this step's ``weights_proj``, compressor kv and gate outputs."""
         head_weights, kv, gate = projected
         keys = cache.index_pool(layer)
-        self.compressor(k, kv, gate, meta, cache.state_pool(layer, INDEXER), keys, meta.emit_index_slot)
+        rotate = cache.formats.index_rotate
+        self.compressor(k, kv, gate, meta, cache.state_pool(layer, INDEXER), keys, meta.emit_index_slot, rotate)
         q = linear(k, q_lat, self.wq_b).view(q_lat.shape[0], self.heads, self.dim)
-        q = k.rope(q, meta.cos, meta.sin)
+        q = round_as_cached(k, k.rope(q, meta.cos, meta.sin), cache.formats.index, rotate)
         picks = k.indexer_topk(q, head_weights * self.heads**-0.5, keys, meta.seq_index, meta.token_seq, meta.visible,
                                self.dim**-0.5, min(self.topk, meta.entries))
         return meta.entry_rows(picks)
@@ -136,6 +137,17 @@ class Attention(LatentAttention):
                 return self.attend(k, q, pool, rows, meta, every_entry=True)
             rows = torch.cat([rows, self.indexer(k, projected[4:], q_lat, meta, cache, layer)], dim=1)
         return self.attend(k, q, pool, rows, meta)
+
+
+def round_as_cached(k: Kernels, x: torch.Tensor, fmt: KVFormat | None, rotate: bool = False) -> torch.Tensor:
+    """``x`` ``[..., d]`` rounded as the cache rounds the rows it is scored against (``fmt``; None: as is),
+    Walsh–Hadamard-rotated first with ``rotate``: the indexer's queries as the models were trained."""
+    if fmt is None:
+        return x
+    if rotate:
+        x = k.hadamard(x)
+    flat = x.reshape(-1, x.shape[-1])
+    return k.kv_unpack(k.kv_pack(flat, fmt), fmt, x.dtype).view(x.shape)
 
 
 def grouped_output(k: Kernels, grouped: torch.Tensor, wo_a, groups: int) -> torch.Tensor:

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deepinfer_interfaces import PackedPool
+
 from ...errors import DeepInferError
 from .batch import Batch
 from .cache_spec import CacheGeometry, LayerCacheSpec, block_size_for
@@ -48,7 +50,8 @@ INDEXER = "indexer"
 @dataclass(frozen=True)
 class BlockPart:
     """Where one kind of a token block's state lives: ``rows`` consecutive rows of ``pool`` per block,
-    block ``b`` at row ``base + b * rows``."""
+    block ``b`` at row ``base + b * rows``. A packed pool's part is its region's records (uint8 rows of
+    ``record_bytes``), so blocks move as the bytes the cache holds."""
 
     name: str
     pool: torch.Tensor
@@ -78,9 +81,11 @@ class ModelCache:
         self.block_size = geometry.block_size
         self.dtype = dtype
         self.window_rows = geometry.window_rows
-        self._kv: list[torch.Tensor] = []
+        #: how rows are stored (``kv_cache_dtype``): the model reads it to round what the cache rounds
+        self.formats = formats = geometry.formats
+        self._kv: list[torch.Tensor | PackedPool] = []
         self._state: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        self._index: list[torch.Tensor] = []
+        self._index: list[torch.Tensor | PackedPool] = []
         #: per layer, the first kv-pool row of its window ring, and of its pool's compressed entries
         self.window_base: list[int] = []
         self.entry_base: list[int] = []
@@ -92,23 +97,28 @@ class ModelCache:
             windows = geometry.pool_members(owner) * num_slots * spec.window_rows
             entries = num_blocks * owner_spec.entries_per_block
             if owner == i:
-                self._kv.append(torch.zeros(windows + entries, spec.head_dim, **zeros))
+                self._kv.append(_kv_pool(formats, windows, entries, geometry.entries_first, spec.head_dim, dtype, device))
             else:
                 self._kv.append(self._kv[owner])
             first = entries if geometry.entries_first else 0
             self.window_base.append(first + member * num_slots * spec.window_rows)
             self.entry_base.append(0 if geometry.entries_first else windows)
             states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            state = dict(dtype=formats.state_dtype or dtype, device=device)
             if spec.state_rows:
                 rows = num_slots * spec.state_rows
-                states[COMPRESSOR] = (torch.zeros(rows, spec.state_width, **zeros), torch.zeros(rows, spec.state_width, **zeros))
+                states[COMPRESSOR] = (torch.zeros(rows, spec.state_width, **state), torch.zeros(rows, spec.state_width, **state))
                 if spec.index_state_width:
                     states[INDEXER] = (
-                        torch.zeros(rows, spec.index_state_width, **zeros),
-                        torch.zeros(rows, spec.index_state_width, **zeros),
+                        torch.zeros(rows, spec.index_state_width, **state),
+                        torch.zeros(rows, spec.index_state_width, **state),
                     )
             self._state.append(states)
-            self._index.append(torch.zeros(num_blocks * spec.entries_per_block if spec.index_head_dim else 0, max(spec.index_head_dim, 1), **zeros))
+            keys = num_blocks * spec.entries_per_block if spec.index_head_dim else 0
+            if keys and formats.index is not None:
+                self._index.append(PackedPool.allocate([(keys, formats.index)], spec.index_head_dim, dtype, device))
+            else:
+                self._index.append(torch.zeros(keys, max(spec.index_head_dim, 1), **zeros))
         #: per slot ``history_rows`` raw token ids by position: the look-back of the Engram n-grams
         self.history = torch.zeros(num_slots * geometry.history_rows, dtype=torch.int64, device=device)
         #: per slot: its block table (-1: no block), the first position of ring state it computed
@@ -156,7 +166,7 @@ class ModelCache:
 
     # ----- pools -----
 
-    def kv_pool(self, layer: int) -> torch.Tensor:
+    def kv_pool(self, layer: int) -> torch.Tensor | PackedPool:
         """``[N, head_dim]``: K=V rows of window tokens and of compressed entries (a V4.1 reader's pool is
         its source's: the window rows of ``layer`` start at ``window_base[layer]``)."""
         return self._kv[layer]
@@ -165,15 +175,16 @@ class ModelCache:
         """``(kv, gate)`` per-token compressor projections of ``branch`` (``compressor`` or ``indexer``)."""
         return self._state[layer][branch]
 
-    def index_pool(self, layer: int) -> torch.Tensor:
+    def index_pool(self, layer: int) -> torch.Tensor | PackedPool:
         """``[N, index_head_dim]`` indexer keys of compressed entries (compressed sparse attention)."""
         return self._index[layer]
 
     def pools(self) -> list[torch.Tensor]:
-        """Every tensor the cache allocated (each once)."""
-        kv = list({id(t): t for t in self._kv}.values())
+        """Every tensor the cache allocated (each once; a packed pool's regions)."""
+        kv = [t for pool in {id(p): p for p in self._kv}.values() for t in _tensors(pool)]
         out = kv + [t for states in self._state for pair in states.values() for t in pair]
-        return out + [t for t in self._index if t.shape[0]] + ([self.history] if self.history.numel() else [])
+        index = [t for pool in self._index if pool.shape[0] for t in _tensors(pool)]
+        return out + index + ([self.history] if self.history.numel() else [])
 
     def pool_bytes(self) -> int:
         """Bytes the pools hold."""
@@ -189,9 +200,9 @@ class ModelCache:
             epb = self.geometry.specs[lt].entries_per_block
             if not epb:
                 continue
-            parts.append(BlockPart(f"layers.{i}.kv", self._kv[i], self.entry_base[i], epb))
+            parts.append(_part(f"layers.{i}.kv", self._kv[i], self.entry_base[i], epb))
             if self.geometry.specs[lt].index_head_dim:
-                parts.append(BlockPart(f"layers.{i}.index", self._index[i], 0, epb))
+                parts.append(_part(f"layers.{i}.index", self._index[i], 0, epb))
         return parts
 
     def read_blocks(self, block_ids: list[int]) -> list[list[torch.Tensor]]:
@@ -259,9 +270,35 @@ def _block_rows(part: BlockPart, block_ids: list[int], device: torch.device) -> 
     return torch.from_numpy(rows).to(device)
 
 
-def _copy_rows(pool: torch.Tensor, src: int, dst: int, n: int) -> None:
-    if n and src != dst:
+def _copy_rows(pool: torch.Tensor | PackedPool, src: int, dst: int, n: int) -> None:
+    if isinstance(pool, PackedPool):
+        pool.copy_rows(src, dst, n)
+    elif n and src != dst:
         pool[dst : dst + n].copy_(pool[src : src + n])
+
+
+def _kv_pool(
+    formats, windows: int, entries: int, entries_first: bool, dim: int, dtype: torch.dtype, device
+) -> torch.Tensor | PackedPool:
+    """One layer's K=V pool of ``windows`` ring rows and ``entries`` entry rows (plain, or packed records)."""
+    if formats.window is None:
+        return torch.zeros(windows + entries, dim, dtype=dtype, device=device)
+    parts = [(entries, formats.entry), (windows, formats.window)] if entries_first else [(windows, formats.window), (entries, formats.entry)]
+    if formats.window == formats.entry:
+        parts = [(windows + entries, formats.window)]
+    return PackedPool.allocate([(n, f) for n, f in parts if n], dim, dtype, device)
+
+
+def _tensors(pool: torch.Tensor | PackedPool) -> list[torch.Tensor]:
+    return pool.tensors() if isinstance(pool, PackedPool) else [pool]
+
+
+def _part(name: str, pool: torch.Tensor | PackedPool, base: int, rows: int) -> BlockPart:
+    """The block part at logical row ``base`` of ``pool``: for a packed pool, in its region's records."""
+    if isinstance(pool, PackedPool):
+        region = pool.region_of(base) if pool.shape[0] > base else pool.regions[-1]
+        return BlockPart(name, region.data, base - region.start, rows)
+    return BlockPart(name, pool, base, rows)
 
 
 class ContiguousCache(ModelCache):
@@ -270,7 +307,8 @@ class ContiguousCache(ModelCache):
     For running the model without the engine (tests, training, conformance).
     Steps bring at most ``max_step_tokens`` tokens per sequence (all of
     ``max_len`` when None), which also bounds how far ``truncate`` can roll a
-    sequence back (rejected speculative tokens).
+    sequence back (rejected speculative tokens). ``kv_cache_dtype`` as the
+    engine's (plain rows in ``dtype`` unless asked).
     """
 
     def __init__(
@@ -282,11 +320,12 @@ class ContiguousCache(ModelCache):
         max_step_tokens: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "model",
     ) -> None:
         if max_seqs <= 0 or max_len <= 0:
             raise DeepInferError(f"ContiguousCache needs max_seqs > 0 and max_len > 0 (got {max_seqs}, {max_len})")
         block = block_size_for(config, 16)
-        geometry = CacheGeometry.build(config, block, max_step_tokens or max_len, max_len)
+        geometry = CacheGeometry.build(config, block, max_step_tokens or max_len, max_len, kv_cache_dtype)
         per_seq = geometry.blocks_for(max_len)
         super().__init__(geometry, max_seqs, max_seqs * per_seq, per_seq, dtype, device)
         self.max_seqs = max_seqs

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from deepinfer_interfaces import KVFormat
+
 
 class CacheShape(Protocol):
     """What the geometry reads of a model's config (``ModelConfig`` provides it)."""
@@ -29,6 +31,8 @@ class CacheShape(Protocol):
     def ratios(self) -> list[int]: ...
 
     def cache_geometry(self, block_size: int, step: int, max_len: int) -> "CacheGeometry": ...
+
+    def kv_cache_formats(self, kv_cache_dtype: str) -> "CacheFormats": ...
 
 
 def block_size_for(config: CacheShape, requested: int) -> int:
@@ -78,24 +82,44 @@ class LayerCacheSpec:
         """kv-pool rows (and index-pool rows, for CSA) one token block adds."""
         return self.entries_per_block
 
-    def slot_elements(self) -> int:
-        """Elements one sequence slot's rings hold across this layer's pools."""
-        states = 2 * self.state_rows * (self.state_width + self.index_state_width)  # kv and gate each
-        return self.window_rows * self.head_dim + states
-
-    def block_elements(self) -> int:
-        """Elements one token block holds across this layer's pools."""
-        return self.entries_per_block * (self.head_dim + self.index_head_dim)
-
-    def bytes_per_token(self, dtype: torch.dtype) -> float:
-        """Compressed-state bytes one more token of context costs this layer."""
-        if not (self.ratio and self.entries_per_block):
-            return 0.0
-        return self.block_elements() * _itemsize(dtype) / (self.entries_per_block * self.ratio)
-
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def fit_block(width: int, block: int, what: str) -> int:
+    """The scale block of ``width`` channels: the format's ``block``, or the whole row when it is narrower
+    (a tiny model's); ``ValueError`` when wider rows do not split into whole blocks."""
+    if width <= 0 or (width > block and width % block) or (width < block and block % width):
+        raise ValueError(f"{what} of {width} channels does not split into blocks of {block}")
+    return min(width, block)
+
+
+@dataclass(frozen=True)
+class CacheFormats:
+    """How the cache stores each kind of row: a packed record format (``KVFormat``), or None for the model
+    dtype. ``kv_cache_dtype`` picks them (``ModelConfig.kv_cache_formats``)."""
+
+    #: what ``kv_cache_dtype`` resolved to: ``model`` (plain rows) or the packed records' name
+    name: str = "model"
+    #: sliding-window K=V rows
+    window: KVFormat | None = None
+    #: compressed K=V entries
+    entry: KVFormat | None = None
+    #: indexer keys (the indexer's queries are rounded the same way)
+    index: KVFormat | None = None
+    #: the indexer rotates its keys and queries (an orthonormal Walsh–Hadamard transform) before rounding
+    index_rotate: bool = False
+    #: the compressors' pooling state (None: the model dtype)
+    state_dtype: torch.dtype | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.window is not None or self.entry is not None or self.index is not None
+
+    def row_bytes(self, fmt: KVFormat | None, width: int, dtype: torch.dtype) -> int:
+        """Bytes of one row stored as ``fmt`` (None: ``width`` elements of ``dtype``)."""
+        return fmt.record_bytes if fmt is not None else width * _itemsize(dtype)
 
 
 @dataclass(frozen=True)
@@ -122,19 +146,24 @@ class CacheGeometry:
     #: trailing positions of a prefill it must compute for the prompt's last logits and the window rings to
     #: come out exact (``(layers from it to the end) · (W − 1) + 1``, plus a margin); empty: none
     prefill_tail: tuple[int, ...] = ()
+    #: how rows are stored (``kv_cache_dtype``)
+    formats: CacheFormats = CacheFormats()
 
     def __post_init__(self) -> None:
         if not self.window_pools:
             object.__setattr__(self, "window_pools", tuple((i, 0) for i in range(len(self.layer_types))))
 
     @classmethod
-    def build(cls, config: CacheShape, block_size: int, max_step_tokens: int, max_len: int) -> "CacheGeometry":
+    def build(
+        cls, config: CacheShape, block_size: int, max_step_tokens: int, max_len: int, kv_cache_dtype: str = "model"
+    ) -> "CacheGeometry":
         """Rings hold what one step of ``max_step_tokens`` tokens reads and writes; none holds more than
-        ``max_len`` rows (a ring that long never wraps)."""
+        ``max_len`` rows (a ring that long never wraps). ``kv_cache_dtype``: ``auto``, ``fp8`` or ``model``."""
         if block_size % math.lcm(1, *config.ratios):
             raise ValueError(f"block size {block_size} is not a multiple of every compress ratio; use block_size_for()")
         step = min(max_step_tokens, max_len)
-        return config.cache_geometry(block_size, step, max_len)
+        geometry = config.cache_geometry(block_size, step, max_len)
+        return dataclasses.replace(geometry, formats=config.kv_cache_formats(kv_cache_dtype))
 
     @property
     def window_rows(self) -> int:
@@ -159,18 +188,54 @@ class CacheGeometry:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def entry_row_bytes(self, spec: LayerCacheSpec, dtype: torch.dtype) -> int:
+        """Bytes one compressed entry of ``spec``'s layers holds: its K=V row and, with an indexer, its key."""
+        f = self.formats
+        index = f.row_bytes(f.index, spec.index_head_dim, dtype) if spec.index_head_dim else 0
+        return f.row_bytes(f.entry, spec.head_dim, dtype) + index
+
+    def window_row_bytes(self, spec: LayerCacheSpec, dtype: torch.dtype) -> int:
+        """Bytes one sliding-window row of ``spec``'s layers holds."""
+        return self.formats.row_bytes(self.formats.window, spec.head_dim, dtype)
+
+    def block_bytes_of(self, spec: LayerCacheSpec, dtype: torch.dtype) -> int:
+        """Bytes one token block holds for one layer of ``spec``."""
+        return spec.entries_per_block * self.entry_row_bytes(spec, dtype)
+
+    def slot_bytes_of(self, spec: LayerCacheSpec, dtype: torch.dtype) -> int:
+        """Bytes one sequence slot's rings hold for one layer of ``spec``."""
+        state = 2 * spec.state_rows * (spec.state_width + spec.index_state_width) * _itemsize(self.formats.state_dtype or dtype)
+        return spec.window_rows * self.window_row_bytes(spec, dtype) + state
+
+    def kind_bytes_per_token(self, spec: LayerCacheSpec, dtype: torch.dtype) -> float:
+        """Compressed-state bytes one more token of context costs one layer of ``spec``."""
+        if not (spec.ratio and spec.entries_per_block):
+            return 0.0
+        return self.entry_row_bytes(spec, dtype) / spec.ratio
+
     def bytes_per_block(self, dtype: torch.dtype) -> int:
         """Cache bytes one token block costs across all layers."""
-        return sum(self.specs[lt].block_elements() for lt in self.layer_types) * _itemsize(dtype)
+        return sum(self.block_bytes_of(self.specs[lt], dtype) for lt in self.layer_types)
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         """Cache bytes one sequence slot's rings cost across all layers (the n-gram history ring included)."""
         history = self.history_rows * _itemsize(torch.int64)
-        return sum(self.specs[lt].slot_elements() for lt in self.layer_types) * _itemsize(dtype) + history
+        return sum(self.slot_bytes_of(self.specs[lt], dtype) for lt in self.layer_types) + history
 
     def bytes_per_token(self, dtype: torch.dtype) -> float:
         """Compressed-state bytes per token of context across all layers."""
-        return sum(self.specs[lt].bytes_per_token(dtype) for lt in self.layer_types)
+        return sum(self.kind_bytes_per_token(self.specs[lt], dtype) for lt in self.layer_types)
+
+    def bytes_per_token_by_kind(self, dtype: torch.dtype) -> dict[str, float]:
+        """``bytes_per_token`` split by cache kind (every layer of the kind together)."""
+        out: dict[str, float] = {}
+        for lt in self.layer_types:
+            out[lt] = out.get(lt, 0.0) + self.kind_bytes_per_token(self.specs[lt], dtype)
+        return out
+
+    def window_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes every layer's sliding-window ring holds per sequence slot (apart from the per-token figure)."""
+        return sum(self.specs[lt].window_rows * self.window_row_bytes(self.specs[lt], dtype) for lt in self.layer_types)
 
     def pool_bytes(self, num_slots: int, num_blocks: int, dtype: torch.dtype) -> int:
         """What a cache of ``num_slots`` slots and ``num_blocks`` blocks allocates."""

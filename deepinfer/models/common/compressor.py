@@ -50,12 +50,14 @@ class Compressor(ParamTree):
         state: tuple[torch.Tensor, torch.Tensor],
         out_pool: torch.Tensor,
         out_slots: torch.Tensor,
+        rotate: bool = False,
     ) -> None:
-        """``kv`` / ``gate`` ``[T, width]``: this step's tokens' projections."""
+        """``kv`` / ``gate`` ``[T, width]``: this step's tokens' projections; ``rotate``: the entries are
+        Walsh–Hadamard-rotated before the cache rounds them (V4's indexer keys as trained)."""
         state_kv, state_gate = state
         k.cache_write(state_kv, meta.state_write, kv)
         k.cache_write(state_gate, meta.state_write, gate)
         prev = meta.emit_prev_rows if self.overlap else None
-        pooled = k.compress_kv(state_kv, state_gate, self.ape, meta.emit_rows, prev)
-        entry = k.rope(k.rms_norm(pooled, self.norm, self.eps), meta.entry_cos, meta.entry_sin)
-        k.cache_write(out_pool, out_slots, entry)
+        pooled = k.compress_kv(state_kv, state_gate, self.ape, meta.emit_rows, prev)  # in the state's dtype
+        entry = k.rope(k.rms_norm(pooled, self.norm, self.eps).to(kv.dtype), meta.entry_cos, meta.entry_sin)
+        k.cache_write(out_pool, out_slots, k.hadamard(entry) if rotate else entry)

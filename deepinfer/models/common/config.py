@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ...errors import ConfigError
 
+from .cache_spec import CacheFormats
+
 if TYPE_CHECKING:
     from .cache_spec import CacheGeometry
 
@@ -20,6 +22,8 @@ SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 MLP_LAYER_TYPES = ("hash_moe", "moe")
+#: what ``kv_cache_dtype`` may be
+KV_CACHE_DTYPES = ("auto", "fp8", "model")
 
 
 class RopeParams(BaseModel):
@@ -190,6 +194,27 @@ class ModelConfig(BaseModel):
     def cache_geometry(self, block_size: int, step: int, max_len: int) -> "CacheGeometry":
         """The family's cache kinds and ring sizes for steps of ``step`` tokens (``CacheGeometry.build``)."""
         raise NotImplementedError(f"{type(self).__name__} describes no cache geometry")
+
+    def packed_cache_formats(self, scale_fmt: str) -> CacheFormats:
+        """The packed records the family was trained with (``scale_fmt``: the checkpoint's scale format, where the
+        records follow it); raises ``ValueError`` naming what this config's shape cannot hold."""
+        raise ValueError(f"model type {self.model_type!r} defines no packed cache records")
+
+    def kv_cache_formats(self, kv_cache_dtype: str) -> CacheFormats:
+        """How the cache stores rows for ``kv_cache_dtype``: ``model`` plain rows in the model dtype; ``fp8`` the
+        family's packed records (FP8/FP4 codes with block scales); ``auto`` the records a quantized checkpoint was
+        trained with (DeepSeek's releases carry ``quantization_config``), the model dtype for an unquantized one
+        or one whose shape the records do not fit."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}; pick one of them")
+        if kv_cache_dtype == "model" or (kv_cache_dtype == "auto" and self.quantization is None):
+            return CacheFormats()
+        try:
+            return self.packed_cache_formats(self.quantization.scale_fmt if kv_cache_dtype == "auto" else "ue8m0")
+        except ValueError as exc:
+            if kv_cache_dtype == "auto":
+                return CacheFormats()
+            raise ConfigError(f"kv_cache_dtype 'fp8' cannot be honoured: {exc}; use kv_cache_dtype 'model'") from None
 
     def replay_length(self, mode: str) -> int:
         """Tokens recomputed before a prefix hit to rebuild the state that is not cached.

@@ -1,8 +1,15 @@
-"""DeepSeek-V4's cache kinds: one per attention type (sliding, CSA, HCA), each layer its own pools."""
+"""DeepSeek-V4's cache kinds: one per attention type (sliding, CSA, HCA), each layer its own pools; and the
+records V4 was trained with: window and compressed K=V rows as FP8 e4m3 codes of the non-rotary channels in
+blocks of 64 (the checkpoint's scale format: ue8m0 powers of two, or fp32) with the rotary channels in bf16,
+and indexer keys Walsh–Hadamard-rotated, then FP4 e2m1 in blocks of 32 with ue8m0 scales (queries alike)."""
 
 from __future__ import annotations
 
-from ..common.cache_spec import CacheGeometry, LayerCacheSpec
+import torch
+
+from deepinfer_interfaces import KVFormat
+
+from ..common.cache_spec import CacheFormats, CacheGeometry, LayerCacheSpec, fit_block
 from ..common.config import CSA, ModelConfig
 
 
@@ -29,3 +36,16 @@ def v4_geometry(config: ModelConfig, block_size: int, step: int, max_len: int) -
             overlap=lt == CSA,
         )
     return CacheGeometry(block_size, step, max_len, w, specs, tuple(config.layer_types))
+
+
+def v4_formats(config: ModelConfig, scale_fmt: str) -> CacheFormats:
+    """V4's trained records (see the module docstring; a row narrower than a block is one block);
+    ``ValueError`` when the config's widths do not fit them."""
+    nope = config.head_dim - config.qk_rope_head_dim
+    block = fit_block(nope, 64, "the K=V row's non-rotary part")
+    kv = KVFormat("v4.kv.fp8", config.head_dim, "e4m3", block, "ue8m0" if scale_fmt == "ue8m0" else "fp32", config.qk_rope_head_dim)
+    d = config.index_head_dim
+    if d & (d - 1):
+        raise ValueError(f"index_head_dim {d} is not a power of two (the indexer's Walsh–Hadamard rotation)")
+    index = KVFormat("v4.index.fp4", d, "e2m1", fit_block(d, 32, "the indexer key"), "ue8m0")
+    return CacheFormats("fp8", window=kv, entry=kv, index=index, index_rotate=True, state_dtype=torch.float32)

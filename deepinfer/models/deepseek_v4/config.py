@@ -16,9 +16,9 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from ...errors import ConfigError
-from ..common.cache_spec import CacheGeometry
+from ..common.cache_spec import CacheFormats, CacheGeometry
 from ..common.config import CSA, HCA, SLIDING, ModelConfig, QuantizationConfig, fold_rope, invalid_config
-from .cache import v4_geometry
+from .cache import v4_formats, v4_geometry
 
 MODEL_TYPE = "deepseek_v4"
 _DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
@@ -47,6 +47,9 @@ class DeepseekV4Config(ModelConfig):
 
     def cache_geometry(self, block_size: int, step: int, max_len: int) -> CacheGeometry:
         return v4_geometry(self, block_size, step, max_len)
+
+    def packed_cache_formats(self, scale_fmt: str) -> CacheFormats:
+        return v4_formats(self, scale_fmt)
 
     def replay_extra(self) -> int:
         """The overlapping CSA compressor's two windows."""

@@ -26,7 +26,7 @@ import torch
 
 from deepinfer_interfaces import Kernels
 
-from ..common.attention import LatentAttention
+from ..common.attention import LatentAttention, round_as_cached
 from ..common.cache import COMPRESSOR, ModelCache
 from ..common.config import ModelConfig
 from .text_config import V41Layer
@@ -83,8 +83,8 @@ class SharedCompressor(ParamTree):
         state_kv, state_gate = cache.state_pool(layer, COMPRESSOR)
         k.cache_write(state_kv, meta.state_write, projected[0])
         k.cache_write(state_gate, meta.state_write, projected[1])
-        pooled = k.compress_kv(state_kv, state_gate, self.no_bias, meta.emit_rows)
-        return k.rms_norm(pooled, self.norm, self.eps)
+        pooled = k.compress_kv(state_kv, state_gate, self.no_bias, meta.emit_rows)  # in the state's dtype
+        return k.rms_norm(pooled, self.norm, self.eps).to(projected[0].dtype)
 
 
 class SharedIndexer(ParamTree):
@@ -118,7 +118,7 @@ class SharedIndexer(ParamTree):
     ) -> torch.Tensor:
         """``[T, min(topk, N)]`` kv-pool rows of the entries each query attends to (-1: none)."""
         q = linear(k, q_lat, self.wq_b).view(q_lat.shape[0], self.heads, self.dim)
-        q = k.rope(q, meta.cos, meta.sin)
+        q = round_as_cached(k, k.rope(q, meta.cos, meta.sin), cache.formats.index)
         weights, keys, topk = head_weights * self.heads**-0.5, cache.index_pool(source), min(self.topk, meta.entries)
         scale, tables = self.dim**-0.5, (meta.seq_index, meta.token_seq, meta.visible)
         if self.candidates == "read" and shared.candidates is not None:

@@ -9,7 +9,11 @@ source's pool, after the entries, so one gather reads both.
 
 from __future__ import annotations
 
-from ..common.cache_spec import CacheGeometry, LayerCacheSpec
+import torch
+
+from deepinfer_interfaces import KVFormat
+
+from ..common.cache_spec import CacheFormats, CacheGeometry, LayerCacheSpec, fit_block
 from ..common.config import SLIDING, ModelConfig
 from .text_config import V41Layer, V41TextConfig
 
@@ -63,3 +67,16 @@ def v41_geometry(config: ModelConfig, v: V41TextConfig, block_size: int, step: i
     last_source = max(v.kv_source_layer_ids, default=n - 1)
     tail = tuple((n - layer) * (w - 1) + 1 for layer in range(last_source + 1, n))
     return CacheGeometry(block_size, step, max_len, w, specs, tuple(kinds), tuple(pools), True, history, n_gram, tail)
+
+
+def v41_formats(config: ModelConfig) -> CacheFormats:
+    """V4.1's trained records (see the module docstring; a row narrower than a block is one block);
+    ``ValueError`` when the config's widths do not fit them."""
+    d, i = config.head_dim, config.index_head_dim
+    return CacheFormats(
+        "fp8",
+        window=KVFormat("v41.window.fp8", d, "e4m3", fit_block(d, 32, "the K=V row"), "ue8m0"),
+        entry=KVFormat("v41.entry.fp4", d, "e2m1", fit_block(d, 16, "the K=V row"), "e4m3"),
+        index=KVFormat("v41.index.fp4", i, "e2m1", fit_block(i, 32, "the indexer key"), "ue8m0"),
+        state_dtype=torch.float32,
+    )

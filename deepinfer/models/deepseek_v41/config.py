@@ -16,9 +16,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...errors import ConfigError
-from ..common.cache_spec import CacheGeometry
+from ..common.cache_spec import CacheFormats, CacheGeometry
 from ..common.config import SLIDING, ModelConfig, QuantizationConfig, fold_rope, invalid_config
-from .cache import v41_geometry
+from .cache import v41_formats, v41_geometry
 from .text_config import V41TextConfig
 
 MODEL_TYPE = "deepseek_v41"
@@ -142,6 +142,9 @@ class V41ModelConfig(ModelConfig):
 
     def cache_geometry(self, block_size: int, step: int, max_len: int) -> CacheGeometry:
         return v41_geometry(self, self.text, block_size, step, max_len)
+
+    def packed_cache_formats(self, scale_fmt: str) -> CacheFormats:
+        return v41_formats(self)
 
     def draft_fields(self, raw: dict[str, Any]) -> dict[str, Any] | None:
         """``text_config`` with the validated text config's values (its defaults where the file is silent),

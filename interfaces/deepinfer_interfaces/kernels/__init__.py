@@ -17,6 +17,7 @@ from .cache_ops import CacheOps
 from .compressor import CompressorOps
 from .engram import EngramOps
 from .indexer import IndexerOps
+from .kv_quant import KVQuantOps
 from .mhc import MHCOps
 from .moe import MoEOps
 from .norm import NormOps
@@ -38,6 +39,7 @@ class Kernels(
     MoEOps,
     QuantOps,
     EngramOps,
+    KVQuantOps,
 ):
     """The reference kernel set, in plain PyTorch; its methods are the specification."""
 

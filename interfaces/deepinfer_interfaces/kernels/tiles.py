@@ -16,12 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..packed_pool import PackedPool
 
-def take_rows(pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+
+def take_rows(pool: "torch.Tensor | PackedPool", indices: torch.Tensor) -> torch.Tensor:
     """``pool[indices]`` with ``-1`` rows read as some finite row: for callers that give those rows
-    zero weight themselves (a masked score), which saves a pass over the gathered rows."""
+    zero weight themselves (a masked score), which saves a pass over the gathered rows. A packed pool's
+    rows are decoded as they are read (only those rows)."""
     if pool.shape[0] == 0 or indices.numel() == 0:
-        return pool.new_zeros((*indices.shape, *pool.shape[1:]))
+        return torch.zeros((*indices.shape, *pool.shape[1:]), dtype=pool.dtype, device=indices.device)
+    if isinstance(pool, PackedPool):
+        return pool.take(indices)
     return pool[indices.clamp(min=0)]
 
 
