@@ -35,8 +35,8 @@ def every_type(tmp_path_factory):
     return model
 
 
-def _prefilled(model, lens):
-    cache = ContiguousCache(model.config, len(lens), 160, dtype=torch.float32)
+def _prefilled(model, lens, kv_cache_dtype="model"):
+    cache = ContiguousCache(model.config, len(lens), 160, dtype=torch.float32, kv_cache_dtype=kv_cache_dtype)
     slots = [cache.allocate() for _ in lens]
     model(Batch.build([[(7 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate(lens)], slots, [0] * len(lens)), cache)
     return cache, slots
@@ -48,11 +48,14 @@ def _breaks(model, cache, batch) -> tuple[int, int]:
     return explained.graph_break_count, explained.graph_count
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "fp8"])
 @pytest.mark.parametrize("which", ["bundled", "every_type"])
-def test_decode_and_mixed_steps_trace_without_graph_breaks(which, request):
+def test_decode_and_mixed_steps_trace_without_graph_breaks(which, kv_cache_dtype, request):
+    """Packed records (``fp8``) are written and read without a host sync too."""
     model = request.getfixturevalue(which)
     lens = [33, 64, 5]
-    cache, slots = _prefilled(model, lens)
+    cache, slots = _prefilled(model, lens, kv_cache_dtype)
+    assert cache.formats.packed == (kv_cache_dtype == "fp8")
     decode = Batch.build([[3], [4], [5]], slots, lens)
     assert _breaks(model, cache, decode) == (0, 1)
     starts = [n + 1 for n in lens]
@@ -60,12 +63,13 @@ def test_decode_and_mixed_steps_trace_without_graph_breaks(which, request):
     assert _breaks(model, cache, mixed) == (0, 1)
 
 
-def test_padded_inputs_give_the_same_logits_and_cache(every_type):
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "fp8"])
+def test_padded_inputs_give_the_same_logits_and_cache(every_type, kv_cache_dtype):
     model = every_type
     lens = [29, 47]
     runs = []
     for pad in (False, True):
-        cache, slots = _prefilled(model, lens)
+        cache, slots = _prefilled(model, lens, kv_cache_dtype)
         batch = Batch.build([[11], [12]], slots, lens)
         cache.begin_forward(batch)
         shape = StepShape.padded(8, 8, 8, 160, cache.geometry) if pad else StepShape.exact(batch, cache.geometry)
@@ -77,4 +81,4 @@ def test_padded_inputs_give_the_same_logits_and_cache(every_type):
         runs.append((logits[:2].clone(), [t.clone() for t in cache.pools()]))
     (a, pools_a), (b, pools_b) = runs
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
-    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(pools_a, pools_b))
+    assert all(torch.equal(x, y) if x.dtype == torch.uint8 else torch.allclose(x, y, atol=1e-6) for x, y in zip(pools_a, pools_b))
