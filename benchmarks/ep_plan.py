@@ -33,8 +33,9 @@ Per layer, on the busiest rank, for T tokens per rank (global batch N*T, as in D
   and received bytes, not weight reads.
 
 Decode (a whole step of one rank: 43 layers of attention and MoE, then the LM head; one new token per sequence,
-MTP off). Every sequence is at the stated context length L (``--context``), the cache laid out as DeepSeek serves
-V4 (``--kv-format fp8``: FP8 K=V entries, FP4 indexer keys) or as this engine's bf16 cache.
+MTP off). Every sequence is at the stated context length L (``--context``), the cache laid out as the engine's
+``kv_cache_dtype fp8`` holds it (``--kv-format fp8``: DeepSeek's serving layout of FP8 K=V rows and FP4 indexer keys,
+fp32 compressor state; the bytes come from deepinfer's record formats) or as its plain bf16 rows (``bf16``).
 
 - KV read per token and layer: the 128-entry sliding window in every layer; in CSA layers (ratio 4) the
   lightning indexer scores all L/4 compressed keys (64 heads x 128) and core attention reads the top 512
@@ -93,7 +94,8 @@ divide them), at a workload of ``--prompt-len`` + ``--output-len`` tokens per re
   a prompt's cache read once) added to the work that hides dispatch and combine, then the head over the prompts'
   last positions. Its degree is the narrowest within PLAN_TOLERANCE of the best tokens/s per card;
 - decode: the decode rows above at the mean context ``prompt + output/2`` under the TPOT bound, the best degree;
-- the cache one request moves, in the engine's bf16 (``--pd-kv-format``): every layer's window, the compressor
+- the cache one request moves, in the engine's bf16 (``--pd-kv-format``; ``fp8`` moves the packed records, as the
+  engine's transfer does under ``kv_cache_dtype fp8``): every layer's window, the compressor
   states, the Engram token history, and ``prompt_len x`` the compressed entries and indexer keys per token (the
   figure ``CacheGeometry.bytes_per_token`` gives), over the link of each card (``KV_LINKS``: 400 Gb/s RDMA per
   GPU; 400 Gb/s RoCE per Ascend NPU assumed); against the decode step, the TTFT and each link's sustained load;
@@ -118,7 +120,8 @@ with its source.
 
 Tables: one block per prefill batch or decode context, side by side, then the disaggregated tables; ``--json``
 adds one JSON object (every row, the assumptions, the plan per hardware, and under "disaggregated" every model
-on every system) as the last line of stdout. Pure Python, about a second.
+on every system) as the last line of stdout. Pure Python but for the cache's row bytes, which come from deepinfer's
+formats at the releases' configs (tests/helpers/published.py); a few seconds.
 """
 
 from __future__ import annotations
@@ -350,62 +353,117 @@ SHARED_EXPERT_BYTES = V4_FLASH.shared_expert_bytes
 # RoPE values in bf16, 7 UE8M0 scales (one per 64) and a pad byte -- and requires the same layout for the
 # sliding-window cache and the compressed ("extra") cache. Its sparse decode kernel dequantises to bf16 and
 # runs the attention math in bf16 (FlashMLA README).
-FP8_KV_ENTRY_BYTES = (HEAD_DIM - ROPE_DIM) + 2 * ROPE_DIM + (HEAD_DIM - ROPE_DIM) // 64 + 1  # 584
 # Indexer keys in FP4 with a 4-byte scale each: github.com/deepseek-ai/DeepGEMM tests/test_attention.py counts
 # ``head_dim / 2 + 4`` bytes per key for fp8_fp4_paged_mqa_logits with FP4 (README news 2026.04.16: "FP4
 # Indexer"); its logits are float32, written by the scoring kernel and read back by the top-k selection.
-FP4_INDEX_KEY_BYTES = INDEX_HEAD_DIM / 2 + 4  # 68
+# The ``fp8`` figures are deepinfer's own records (``kv_cache_dtype fp8``: the family's ``KVFormat``s in
+# deepinfer/models/<family>/cache.py, read from each release's config.json), which hold DeepSeek's byte counts
+# for V4 (584 and 68) and V4.1's trained layouts (FP8 window rows, FP4 entries), with the compressors' pooling
+# state in fp32 as the engine keeps it beside packed rows.
 INDEX_LOGIT_BYTES = 4
 
 
 @dataclass(frozen=True)
+class KvRows:
+    """Bytes of one cached row of each kind, for one model in one format."""
+
+    window_bytes: float  # a sliding-window K=V row
+    entry_bytes: float  # a compressed K=V entry
+    index_key_bytes: float  # a CSA indexer key
+    state_element_bytes: int  # one element of the compressors' pooling state
+
+
+@dataclass(frozen=True)
 class KvFormat:
-    """Bytes of one cached K=V entry (window and compressed alike) and of one CSA indexer key."""
+    """How the cache stores rows: per model (by name) the bytes of each kind of row."""
 
     key: str
-    entry_bytes: float
-    index_key_bytes: float
     index_fp4: bool  # the indexer scores at the FP4 tensor-core rate (else bf16)
     description: str
+    rows: dict[str, KvRows]
+
+    def of(self, model: "Model") -> KvRows:
+        return self.rows[model.name]
 
 
-#: V4.1-Flash has V4-Flash's head and indexer-key widths; DeepSeek's layout is assumed to serve it too
-KV_FORMATS: dict[str, KvFormat] = {
-    "fp8": KvFormat("fp8", FP8_KV_ENTRY_BYTES, FP4_INDEX_KEY_BYTES, True,
-                    "DeepSeek's serving layout: FP8 K=V entries (584 B), FP4 indexer keys (68 B)"),
-    "bf16": KvFormat("bf16", 2 * HEAD_DIM, 2 * INDEX_HEAD_DIM, False,
-                     "bf16 K=V entries (1,024 B) and indexer keys (256 B), as deepinfer's cache holds them"),
-}
+def _release_configs() -> dict[str, dict]:
+    """Each modelled release's published config.json (tests/helpers/published.py), by model name."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.helpers.published import V4_FLASH as V4_CONFIG, V41_FLASH as V41_CONFIG
+
+    return {V4_FLASH.name: V4_CONFIG, V41_FLASH.name: V41_CONFIG}
 
 
-def compressor_state_bytes(kind: LayerKind, model: Model = V4_FLASH) -> float:
+def engine_rows(config: dict, kv_cache_dtype: str) -> KvRows:
+    """The rows deepinfer's cache keeps for ``config`` under ``kv_cache_dtype`` (plain rows in bf16 for ``model``)."""
+    import torch
+
+    from deepinfer.models.registry import parse_config
+
+    mc = parse_config(dict(config))
+    f = mc.kv_cache_formats(kv_cache_dtype)
+    bf16 = torch.bfloat16
+    state = torch.empty((), dtype=f.state_dtype or bf16).element_size()
+    return KvRows(f.row_bytes(f.window, mc.head_dim, bf16), f.row_bytes(f.entry, mc.head_dim, bf16),
+                  f.row_bytes(f.index, mc.index_head_dim, bf16), state)
+
+
+def kv_formats() -> dict[str, KvFormat]:
+    """The two layouts modelled: deepinfer's packed records (fp8) and its plain bf16 rows."""
+    configs = _release_configs()
+    fp8 = {name: engine_rows(c, "fp8") for name, c in configs.items()}
+    v4, v41 = fp8[V4_FLASH.name], fp8[V41_FLASH.name]
+    return {
+        "fp8": KvFormat("fp8", True,
+                        f"deepinfer's kv_cache_dtype fp8 (DeepSeek's layouts): V4-Flash FP8 K=V rows ({v4.entry_bytes:.0f} B), FP4 indexer "
+                        f"keys ({v4.index_key_bytes:.0f} B); V4.1-Flash FP8 window rows ({v41.window_bytes:.0f} B), FP4 entries "
+                        f"({v41.entry_bytes:.0f} B) and keys ({v41.index_key_bytes:.0f} B); fp32 compressor state", fp8),
+        "bf16": KvFormat("bf16", False,
+                         f"bf16 K=V rows ({2 * HEAD_DIM:,} B) and indexer keys ({2 * INDEX_HEAD_DIM} B), deepinfer's kv_cache_dtype model",
+                         {name: engine_rows(c, "model") for name, c in configs.items()}),
+    }
+
+
+KV_FORMATS: dict[str, KvFormat] = kv_formats()
+#: DeepSeek's serving layout's bytes (above), as deepinfer's V4 records hold them
+FP8_KV_ENTRY_BYTES = KV_FORMATS["fp8"].of(V4_FLASH).entry_bytes  # 584
+FP4_INDEX_KEY_BYTES = KV_FORMATS["fp8"].of(V4_FLASH).index_key_bytes  # 68
+
+
+def compressor_state_bytes(kind: LayerKind, model: Model = V4_FLASH, element_bytes: int = 2) -> float:
     """Per sequence and layer: the compressor's not-yet-pooled windows, kv and gate projections of each token.
 
     Sized as deepinfer/models/common/cache_spec.py sizes its state rings for one-token steps: ``overlap * ratio`` rows of
     width ``overlap * head_dim`` (V4's CSA entries also pool the previous window, overlap 2) plus, where the
-    indexer keys have a compressor of their own (V4's CSA), its ``overlap * index_head_dim``; bf16. A layer that
-    owns no entries, or pools nothing (V4.1's ratio 1), keeps none.
+    indexer keys have a compressor of their own (V4's CSA), its ``overlap * index_head_dim``; ``element_bytes``
+    each (bf16, or fp32 beside a packed cache). A layer that owns no entries, or pools nothing (V4.1's ratio 1),
+    keeps none.
     """
     if not (kind.owns_entries and kind.ratio > 1):
         return 0.0
     width = kind.overlap * model.head_dim + (kind.overlap * model.index_head_dim if kind.index_compressor else 0)
-    return 2.0 * kind.overlap * kind.ratio * width * 2
+    return 2.0 * kind.overlap * kind.ratio * width * element_bytes
 
 
 def kv_bytes_per_token(fmt: KvFormat, model: Model = V4_FLASH) -> float:
     """Cache one more token of context adds over all layers: the compressed entries and indexer keys of the layers
-    that own them (deepinfer's ``CacheGeometry.bytes_per_token`` counts the same for its bf16 cache)."""
+    that own them (deepinfer's ``CacheGeometry.bytes_per_token`` counts the same)."""
+    rows = fmt.of(model)
     total = 0.0
     for kind in model.layers:
         if kind.owns_entries:
-            total += (fmt.entry_bytes + (fmt.index_key_bytes if kind.index_keys else 0.0)) / kind.ratio
+            total += (rows.entry_bytes + (rows.index_key_bytes if kind.index_keys else 0.0)) / kind.ratio
     return total
 
 
 def kv_ring_bytes(fmt: KvFormat, model: Model = V4_FLASH) -> float:
     """Cache one sequence holds whatever its length, once past a window: every layer's sliding window, the
     compressors' states and the Engram token history (int64 ids)."""
-    total = sum(model.sliding_window * fmt.entry_bytes + compressor_state_bytes(kind, model)
+    rows = fmt.of(model)
+    total = sum(model.sliding_window * rows.window_bytes + compressor_state_bytes(kind, model, rows.state_element_bytes)
                 for kind in model.layers)
     return total + model.history_tokens * 8
 
@@ -970,13 +1028,15 @@ def core_attention_s(kind: LayerKind, tokens: float, context: float, fmt: KvForm
     else:
         entries, keys = attended_entries(kind, context, model), scored_keys(kind, context, model)
     q_bytes = model.heads * model.head_dim * 2  # bf16 query in, bf16 output out
-    kv_read = 0.0 if prompt else entries * fmt.entry_bytes
+    rows = fmt.of(model)
+    window = min(context, model.sliding_window)  # the window rows among the entries read
+    kv_read = 0.0 if prompt else window * rows.window_bytes + (entries - window) * rows.entry_bytes
     seconds = roofline(4.0 * model.heads * model.head_dim * entries * tokens, r.attention_bf16,
                        tokens * (kv_read + 2 * q_bytes), r.hbm)
     if kind.scores:
         ih, ihd = model.index_heads, model.index_head_dim
         iq_bytes = ih * ihd * (0.5 if fmt.index_fp4 else 2)
-        key_read = 0.0 if prompt else fmt.index_key_bytes
+        key_read = 0.0 if prompt else rows.index_key_bytes
         nbytes = tokens * (keys * (key_read + 2 * INDEX_LOGIT_BYTES) + iq_bytes)
         seconds += roofline(2.0 * ih * ihd * keys * tokens, r.indexer, nbytes, r.hbm)
     return seconds

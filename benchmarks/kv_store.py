@@ -15,7 +15,8 @@ blocks) and the tokens each hit replayed. The bundled model's position range is
 1,024; when the prompt needs more, it runs with a longer range (its rope is the
 default one, so that only extends the position table).
 
-    .venv/bin/python benchmarks/kv_store.py [--model DIR] [--backend cpu] [--prefix-len 2000] [--suffix-len 16] [--repeats 3] [--store DIR] [--json]
+    .venv/bin/python benchmarks/kv_store.py [--model DIR] [--backend cpu] [--kv-cache-dtype auto] [--prefix-len 2000] [--suffix-len 16]
+                                            [--repeats 3] [--store DIR] [--json]
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ WARMUP_TOKENS = 40
 COUNTERS = ("cached_tokens", "replayed_tokens", "computed_tokens", "kv_store_hit_tokens", "kv_store_bytes_read")
 
 
-def _llm(path: Path, backend: str, max_model_len: int, **kw) -> LLM:
-    return LLM(model=str(path), backend=backend, kv_cache_memory=512 << 20, max_model_len=max_model_len, max_num_seqs=4, **kw)
+def _llm(path: Path, args, max_model_len: int, **kw) -> LLM:
+    return LLM(model=str(path), backend=args.backend, kv_cache_memory=512 << 20, max_model_len=max_model_len, max_num_seqs=4,
+               kv_cache_dtype=args.kv_cache_dtype, **kw)
 
 
 def _tokens(vocab: int, n: int, seed: int) -> list[int]:
@@ -82,7 +84,7 @@ def _summary(runs: list[dict]) -> dict:
 
 def no_cache(path: Path, args, max_model_len: int) -> dict:
     """Prefix caching off: every prompt is computed in full."""
-    llm = _llm(path, args.backend, max_model_len, enable_prefix_caching=False)
+    llm = _llm(path, args, max_model_len, enable_prefix_caching=False)
     _warm_up(llm)
     vocab = llm.engine.vocab_size
     runs = [ttft(llm, _prompt(vocab, args.prefix_len, 0, args.suffix_len, i)) for i in range(args.repeats)]
@@ -92,7 +94,7 @@ def no_cache(path: Path, args, max_model_len: int) -> dict:
 
 def memory_hit(path: Path, args, max_model_len: int) -> tuple[dict, int]:
     """One engine serves the prefix once, then prompts sharing it with fresh suffixes; also its block size."""
-    llm = _llm(path, args.backend, max_model_len)
+    llm = _llm(path, args, max_model_len)
     _warm_up(llm)
     vocab = llm.engine.vocab_size
     ttft(llm, _prompt(vocab, args.prefix_len, 0, args.suffix_len, 1000))
@@ -105,7 +107,7 @@ def memory_hit(path: Path, args, max_model_len: int) -> tuple[dict, int]:
 def worker(mode: str, path: Path, args, max_model_len: int) -> dict:
     """One process of the store case: ``store-write`` serves prefixes 1..repeats and flushes the store,
     ``store-read`` (a fresh process) serves prompts sharing them with other suffixes."""
-    llm = _llm(path, args.backend, max_model_len, kv_store=args.store)
+    llm = _llm(path, args, max_model_len, kv_store=args.store)
     _warm_up(llm)
     vocab = llm.engine.vocab_size
     suffix = 2000 if mode == "store-write" else 3000
@@ -119,7 +121,7 @@ def _run_worker(mode: str, path: Path, args, max_model_len: int, store: str) -> 
     """Run ``worker(mode)`` in a fresh process of this script and return its JSON line."""
     cmd = [sys.executable, __file__, "--worker", mode, "--model", str(path), "--backend", args.backend, "--store", store,
            "--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len), "--repeats", str(args.repeats),
-           "--max-model-len", str(max_model_len)]
+           "--max-model-len", str(max_model_len), "--kv-cache-dtype", args.kv_cache_dtype]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -169,9 +171,10 @@ def _model_for(arg: str | None, need: int, tmp: Path) -> tuple[Path, Path, str]:
     return view, path, f"{line}, position range raised from {positions} to {need}"
 
 
-def flash_bytes_per_token(block_size: int) -> tuple[float, int]:
-    """Bytes of compressed state per token one stored block of DeepSeek-V4-Flash holds in bf16 (from its
-    published config), and the block size its compress ratios make of ``block_size``."""
+def flash_bytes_per_token(block_size: int) -> tuple[dict[str, float], int]:
+    """Bytes of compressed state per token one stored block of DeepSeek-V4-Flash holds (from its published
+    config), by ``kv_cache_dtype``: ``model`` (bf16 rows) and ``fp8`` (its trained records, what ``auto`` picks for
+    the release); and the block size its compress ratios make of ``block_size``."""
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -181,7 +184,7 @@ def flash_bytes_per_token(block_size: int) -> tuple[float, int]:
 
     config = parse_config(V4_FLASH)
     block = block_size_for(config, block_size)
-    return CacheGeometry.build(config, block, 8192, 1 << 20).bytes_per_token(torch.bfloat16), block
+    return {kv: CacheGeometry.build(config, block, 8192, 1 << 20, kv).bytes_per_token(torch.bfloat16) for kv in ("model", "fp8")}, block
 
 
 def _row(label: str, fig: dict, base: float) -> None:
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "model"], help="how the cache (and so the store) holds rows")
     ap.add_argument("--prefix-len", type=int, default=2000)
     ap.add_argument("--suffix-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="prompts per situation; the median TTFT is shown")
@@ -236,15 +240,17 @@ def main(argv: list[str] | None = None) -> None:
     flash, flash_block = flash_bytes_per_token(block_size)
     # a file's header and checksum grow with the layer count only, not with the block's tokens
     overhead = w["kv_store_bytes_written"] / max(w["kv_store_blocks_written"], 1) - w["block_bytes"]
-    print(f"V4-Flash (published config, bf16, block {flash_block}): {flash:,.0f} bytes of compressed state per token, "
-          f"{flash * 2000 / 1e6:.1f} MB for a 2,000-token prefix (each block file adds its header and checksum: {overhead:.0f} bytes here)")
+    print(f"V4-Flash (published config, block {flash_block}): {flash['model']:,.0f} bytes of compressed state per token in bf16 rows, "
+          f"{flash['fp8']:,.0f} as fp8 records (kv_cache_dtype auto for the release): {flash['model'] * 2000 / 1e6:.1f} / "
+          f"{flash['fp8'] * 2000 / 1e6:.1f} MB for a 2,000-token prefix (each block file adds its header and checksum: {overhead:.0f} bytes here)")
     print(f"store hit vs in-memory hit: {read['ttft_ms'] / memory['ttft_ms']:.2f}x the TTFT; wall {wall:.1f} s")
     emit_json(args.json, {
         "benchmark": "kv_store", "model": str(source), "max_model_len": max_model_len, "backend": args.backend, "prefix_len": args.prefix_len,
         "suffix_len": args.suffix_len, "repeats": args.repeats, "block_size": block_size,
         "no_cache": cold, "memory_hit": memory, "store_hit": read, "store_write": written,
         "speedup_memory_hit": base / memory["ttft_ms"], "speedup_store_hit": base / read["ttft_ms"],
-        "store_bytes_per_token": per_token, "store_read_bytes_per_token": payload, "v4_flash_bytes_per_token": flash,
+        "store_bytes_per_token": per_token, "store_read_bytes_per_token": payload, "kv_cache_dtype": args.kv_cache_dtype,
+        "v4_flash_bytes_per_token": flash["model"], "v4_flash_bytes_per_token_fp8": flash["fp8"],
         "v4_flash_block_size": flash_block, "file_overhead_bytes_per_block": overhead, "store_counters": counters, "wall_seconds": wall,
     })
 

@@ -196,12 +196,17 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     import torch
 
     from .engine import resolve_model_dir
+    from .kv_memory import kv_memory
+    from .loader.files import model_directory, read_config
+    from .models.registry import parse_config
     from .weight_memory import weight_memory
 
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
-    mem = weight_memory(resolve_model_dir(args.model), ep=args.ep, dtype=dtype, quantization=args.quantization)
+    directory = resolve_model_dir(args.model)
+    mem = weight_memory(directory, ep=args.ep, dtype=dtype, quantization=args.quantization)
+    kv = kv_memory(parse_config(read_config(model_directory(directory))), args.kv_cache_dtype, dtype)
     if args.json:
-        print(json.dumps(mem.as_dict()))
+        print(json.dumps({**mem.as_dict(), "kv_bytes_per_token": kv.as_dict()}))
         return 0
     print(f"weights ({mem.quantization}, the rest in {mem.dtype}; built on the meta device as the engine holds them):")
     print(f"  {'part':<18} {'total':>12} {f'rank at --ep {mem.ep}':>16}")
@@ -215,7 +220,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"one routed expert: {mem.bytes_per_routed_expert:,} B")
     if mem.checkpoint_bytes is not None:
         print(f"checkpoint on disk (index total_size, every stored tensor): {_size(mem.checkpoint_bytes)}")
+    _print_kv(kv)
     return 0
+
+
+def _print_kv(kv) -> None:
+    """``inspect``'s KV cache lines: compressed state per token by kind, then the window rows apart."""
+    print(f"KV cache (--kv-cache-dtype {kv.kv_cache_dtype} -> {kv.storage}; model dtype {kv.dtype}; blocks of {kv.block_size} tokens):")
+    print(f"  compressed state per token of context: {kv.total:,.2f} B")
+    for kind, n in kv.by_kind.items():
+        if n:
+            print(f"    {kind:<32} {n:>12,.2f} B")
+    w = kv.window
+    print(f"  window rows, kept per sequence whatever its length: {w.bytes_per_row:,} B per token row over all layers")
+    for kind, n in w.bytes_per_row_by_kind.items():
+        print(f"    {kind:<32} {n:>12,} B")
+    print(f"  per sequence slot: {_size(w.bytes_per_slot)} of window rings ({w.rows_per_slot} rows a layer, steps of {w.step_tokens} tokens), "
+          f"{_size(kv.ring_bytes_per_slot)} with the compressor states")
 
 
 def _log_to_stderr() -> None:
@@ -289,12 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
-    p = sub.add_parser("inspect", help="the memory a checkpoint's weights will take, from config.json and the index alone")
+    p = sub.add_parser("inspect", help="the memory a checkpoint's weights and KV cache will take, from config.json and the index alone")
     p.add_argument("--model", default=None, help="HF-layout DeepSeek-V4 (or V4.1) directory; only config.json and the index are read")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree: also give the largest rank's share")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="dtype of the unquantized weights")
     p.add_argument("--quantization", default="auto", choices=["auto", "dequantize"])
-    p.add_argument("--json", action="store_true", help="print one JSON object (total_bytes, per_rank_bytes, by_kind, ep, ...)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "model"],
+                   help="how the KV cache stores rows, for its bytes per token (as the engine's --kv-cache-dtype)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (total_bytes, per_rank_bytes, by_kind, ep, kv_bytes_per_token, ...)")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("kv-store", help="what a KV store directory holds (stats), and trimming it by retention class (prune)")

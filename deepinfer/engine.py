@@ -25,7 +25,7 @@ from .errors import ConfigError, DeepInferError
 from .expert_parallel.sharding import ExpertParallel
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import PrefilledRequest
-from .kv_transfer.sequence_state import SequenceState
+from .kv_transfer.sequence_state import SequenceState, storage_mismatch
 from .kv_store import KVStore, PartShape, StoreStats, open_store, store_line
 from .loader import load_tokenizer, read_generation_config
 from .models.common.config import ModelConfig
@@ -141,11 +141,11 @@ class Engine:
         from deepinfer_interfaces import INTERFACE_VERSION
 
         cache = self.runner.cache
-        parts = [PartShape(p.name, p.rows, p.width) for p in cache.block_parts()]
+        parts = [PartShape(p.name, p.rows, p.width, p.pool.dtype, p.format) for p in cache.block_parts()]
         b = self.backend
         settings = dict(backend=b.name, kernels=b.kernels_name, interpret=b.interpret, quantization=self.config.quantization,
                         interface=INTERFACE_VERSION)
-        return open_store(self.config, model_dir, settings, cache.dtype, parts, cache.block_size)
+        return open_store(self.config, model_dir, settings, cache.dtype, cache.formats.as_dict(), parts, cache.block_size)
 
     def close(self) -> None:
         """Finish the steps in flight and the store's writes."""
@@ -236,6 +236,8 @@ class Engine:
                     f"the prefilled state holds {prefilled.state.num_tokens} positions but the prompt has {len(ids)} tokens; "
                     "send the prompt the prefill server computed"
                 )
+            if prefilled is not None and (why := storage_mismatch(self.runner.cache, prefilled.state)) is not None:
+                raise InvalidRequestError(why)
             children = [req] + [Request(f"{request_id}#{i}", text, ids, params, index=i, fork_source=req) for i in range(1, params.n)]
             for child in children:
                 child.siblings = children

@@ -68,6 +68,11 @@ class CachePlan:
     max_model_len: int
     #: bytes of the DSpark draft's context ring per slot (0: no speculation)
     draft_bytes_per_slot: int = 0
+    #: the ``kv_cache_dtype`` asked for, and how rows are stored (``CacheFormats.describe()``)
+    kv_cache_dtype: str = "model"
+    kv_cache: str = ""
+    #: compressed-state bytes one more token of context costs (``CacheGeometry.bytes_per_token``)
+    bytes_per_token: float = 0.0
 
     @property
     def token_capacity(self) -> int:
@@ -89,15 +94,18 @@ class CachePlan:
         return (
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({self.token_capacity} tokens of compressed state) "
             f"+ {self.num_slots} sequence slots, {self.budget / mib:.1f} MiB{draft}; up to {self.tokens_per_sequence} tokens per "
-            f"sequence (max_model_len {self.max_model_len}), {self.full_length_sequences} at that length at once"
+            f"sequence (max_model_len {self.max_model_len}), {self.full_length_sequences} at that length at once; "
+            f"kv_cache_dtype {self.kv_cache_dtype}: {self.kv_cache}; {self.bytes_per_token:,.1f} B of compressed state per token"
         )
 
 
 def plan_cache(
-    geometry: CacheGeometry, budget: int, slots: int, max_model_len: int, dtype: torch.dtype, draft_per_slot: int = 0
+    geometry: CacheGeometry, budget: int, slots: int, max_model_len: int, dtype: torch.dtype, draft_per_slot: int = 0,
+    kv_cache_dtype: str = "model",
 ) -> CachePlan:
     """Split ``budget`` bytes into ``slots`` sequence slots and as many token blocks as they can use
-    (``draft_per_slot``: what each slot's DSpark context ring takes besides the pools)."""
+    (``draft_per_slot``: what each slot's DSpark context ring takes besides the pools; ``kv_cache_dtype``: what was
+    asked for, reported beside the formats it resolved to)."""
     per_block = geometry.bytes_per_block(dtype)
     per_slot = geometry.bytes_per_slot(dtype) + draft_per_slot
     need_blocks = geometry.blocks_for(max_model_len)
@@ -113,7 +121,8 @@ def plan_cache(
             f"(at least {need} bytes needed); raise kv_cache_memory or lower max_model_len / max_num_seqs"
         )
     used = geometry.pool_bytes(slots, int(num_blocks), dtype) + slots * draft_per_slot
-    return CachePlan(geometry.block_size, int(num_blocks), slots, per_block, per_slot - draft_per_slot, used, max_model_len, draft_per_slot)
+    return CachePlan(geometry.block_size, int(num_blocks), slots, per_block, per_slot - draft_per_slot, used, max_model_len, draft_per_slot,
+                     kv_cache_dtype, geometry.formats.describe(), geometry.bytes_per_token(dtype))
 
 
 class ModelRunner:
@@ -170,7 +179,7 @@ class ModelRunner:
         # the draft copied the stored mtp.* tensors into its own parameters (or speculation is off): drop them
         self.model.extra_tensors = {k: v for k, v in self.model.extra_tensors.items() if not k.startswith("mtp.")}
         ring = DSparkRing.bytes_per_slot(draft) if draft is not None else 0
-        self.plan = plan_cache(self.geometry, budget, cfg.max_num_seqs, self.max_model_len, self.dtype, ring)
+        self.plan = plan_cache(self.geometry, budget, cfg.max_num_seqs, self.max_model_len, self.dtype, ring, cfg.kv_cache_dtype)
         self.cache = ModelCache(
             self.geometry, self.plan.num_slots, self.plan.num_blocks, self.geometry.blocks_for(self.max_model_len),
             self.dtype, self.torch_device,

@@ -20,16 +20,19 @@ __all__ = [
 
 
 def open_store(
-    config: Any, model_dir: Path, settings: dict[str, Any], dtype: torch.dtype, parts: list[PartShape], block_size: int
+    config: Any, model_dir: Path, settings: dict[str, Any], dtype: torch.dtype, formats: dict[str, Any], parts: list[PartShape],
+    block_size: int,
 ) -> KVStore | None:
-    """The store ``config.kv_store`` names, for a cache of ``parts`` in ``dtype``; ``settings``: the kernel-relevant
-    choices (backend, kernel set, ...) that enter the fingerprint."""
+    """The store ``config.kv_store`` names, for a cache of ``parts`` computed in ``dtype`` and stored as ``formats``
+    (``CacheFormats.as_dict()``: what ``kv_cache_dtype`` resolved to); ``settings``: the kernel-relevant choices
+    (backend, kernel set, ...) that enter the fingerprint."""
     description = {
         "format": FORMAT_VERSION,
         "model": describe_model(model_dir),
         "dtype": str(dtype),
+        "kv_cache": formats,
         "block_size": block_size,
-        "parts": [[p.name, p.rows, p.width] for p in parts],
+        "parts": [p.header() for p in parts],
         **settings,
     }
-    return KVStore.open(config.kv_store, fingerprint(description), store_policy(config), dtype, parts, block_size)
+    return KVStore.open(config.kv_store, fingerprint(description), store_policy(config), parts, block_size)

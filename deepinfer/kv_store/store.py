@@ -4,10 +4,11 @@ Below the in-memory prefix cache: a committed block is written through (on a
 writer thread, after the device thread copied it to the host), and a prefix
 that misses in memory is looked up here block by block, stopping at the first
 block that is absent or unusable. A file is used only when its checksum,
-fingerprint, hash and layout all match; anything else is ignored (and deleted,
-so a writer replaces it), and the request recomputes that part. A directory
-that cannot be written leaves the store reading only, one that cannot be read
-leaves no store; either says so once.
+fingerprint, hash and layout all match and a packed cache's records hold
+valid scales; anything else is ignored (and deleted, so a writer replaces
+it), and the request recomputes that part. A directory that cannot be
+written leaves the store reading only, one that cannot be read leaves no
+store; either says so once.
 """
 
 from __future__ import annotations
@@ -80,13 +81,11 @@ class BlockWrite:
 
 class KVStore:
     def __init__(
-        self, root: Path, fingerprint: str, policy: StorePolicy, dtype: torch.dtype, parts: list[PartShape], block_size: int,
-        writable: bool = True,
+        self, root: Path, fingerprint: str, policy: StorePolicy, parts: list[PartShape], block_size: int, writable: bool = True,
     ) -> None:
         self.root = root
         self.fingerprint = fingerprint
         self.policy = policy
-        self.dtype = dtype
         self.parts = parts
         self.block_size = block_size
         self.writable = writable
@@ -100,7 +99,8 @@ class KVStore:
         self._grown: dict[str, int] = {}
         self._last_prune = 0.0
         self._writer: threading.Thread | None = None
-        self.block_bytes = sum(p.rows * p.width for p in parts) * torch.empty((), dtype=dtype).element_size()
+        #: payload bytes of one block (a file adds its header and checksum)
+        self.block_bytes = sum(p.nbytes for p in parts)
         if writable:
             self._writer = threading.Thread(target=self._write_loop, name="deepinfer-kv-store", daemon=True)
             self._writer.start()
@@ -108,7 +108,7 @@ class KVStore:
 
     @classmethod
     def open(
-        cls, root: str | Path, fingerprint: str, policy: StorePolicy, dtype: torch.dtype, parts: list[PartShape], block_size: int
+        cls, root: str | Path, fingerprint: str, policy: StorePolicy, parts: list[PartShape], block_size: int
     ) -> "KVStore | None":
         """The store at ``root``: read-write, reading only (one warning) when it cannot be written, or None
         (one warning) when it can be neither created nor read."""
@@ -127,7 +127,7 @@ class KVStore:
         except OSError as exc:
             log.warning("kv_store %s cannot be written (%s); reading stored blocks only", root, exc.strerror or exc)
             writable = False
-        return cls(root, fingerprint, policy, dtype, parts, block_size, writable)
+        return cls(root, fingerprint, policy, parts, block_size, writable)
 
     # ----- reads (engine thread) -----
 
@@ -160,7 +160,7 @@ class KVStore:
             except OSError:
                 continue
             try:
-                tensors = decode(raw, self.fingerprint, block_hash, self.dtype, self.parts)
+                tensors = decode(raw, self.fingerprint, block_hash, self.parts)
             except BadBlockFile as exc:
                 self.stats.kv_store_bad_files += 1
                 log.debug("kv_store: ignoring %s: %s", path, exc)
@@ -239,7 +239,7 @@ class KVStore:
         path = block_path(self.root, block.cache_class, self.fingerprint, block.block_hash)
         if path.exists():
             return  # another engine stored it first
-        data = encode(self.fingerprint, block.block_hash, self.dtype, self.parts, tensors)
+        data = encode(self.fingerprint, block.block_hash, self.parts, tensors)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, data)

@@ -41,7 +41,7 @@ def _unrows(d: dict[str, torch.Tensor]) -> RingRows:
 def encode(prefilled: PrefilledRequest) -> tuple[bytes, Handoff]:
     s = prefilled.state
     tree: dict[str, Any] = {
-        "num_tokens": s.num_tokens, "output_token_ids": list(prefilled.output_token_ids), "blocks": s.blocks,
+        "num_tokens": s.num_tokens, "output_token_ids": list(prefilled.output_token_ids), "storage": s.storage, "blocks": s.blocks,
         "window": [_rows(r) for r in s.window],
         "states": [{b: [_rows(kv), _rows(gate)] for b, (kv, gate) in layer.items()} for layer in s.states],
         "history": _rows(s.history) if s.history is not None else None,
@@ -68,7 +68,7 @@ def decode(payload: bytes, expected: Handoff) -> PrefilledRequest:
     state = SequenceState(
         tree["num_tokens"], tree["blocks"], [_unrows(r) for r in tree["window"]],
         [{b: (_unrows(kv), _unrows(gate)) for b, (kv, gate) in layer.items()} for layer in tree["states"]],
-        _unrows(tree["history"]) if tree["history"] is not None else None, draft,
+        _unrows(tree["history"]) if tree["history"] is not None else None, draft, tree.get("storage"),
     )
     return PrefilledRequest(state, [int(t) for t in tree["output_token_ids"]])
 

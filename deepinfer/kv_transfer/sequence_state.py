@@ -9,17 +9,27 @@ is read at ``position mod ring`` of the source slot and written at the same
 position of the destination slot's ring, so the two engines may differ in slot
 numbers, block ids and ring sizes (prefill chunk margins). After ``write`` the
 destination continues at position ``n`` exactly as the source would have.
+
+A packed cache (``kv_cache_dtype`` fp8) moves its rows as the records it holds:
+blocks as their regions' bytes (``ModelCache.block_parts``) and window rows as
+the window region's records, never decoded, so a transfer is as much smaller as
+the cache. The state names how its rows are stored (``storage``); a decode
+engine whose cache stores them otherwise refuses it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
 
+from deepinfer_interfaces import PackedPool
+
 from ..models.common.cache import ModelCache
+from ..models.common.cache_spec import CacheFormats
 from ..models.common.dspark import DSparkRing
 
 
@@ -90,6 +100,9 @@ class SequenceState:
     states: list[dict[str, tuple[RingRows, RingRows]]]
     history: RingRows | None = None
     draft: DraftContext | None = None
+    #: how the source cache stores rows (``CacheFormats.as_dict()``): the destination's must be the same
+    storage: dict[str, Any] | None = None
+
     @property
     def nbytes(self) -> int:
         """Bytes the state holds (what a transfer moves)."""
@@ -111,7 +124,19 @@ def map_data(state: SequenceState, fn: Callable[[Data], Data]) -> SequenceState:
         d = state.draft
         kv = [fn(r) for r in d.kv] if isinstance(d.kv, list) else fn(d.kv)
         draft = replace(d, ctx=fn(d.ctx), kv=torch.stack(kv) if isinstance(kv, list) and all(isinstance(t, torch.Tensor) for t in kv) else kv)
-    return SequenceState(state.num_tokens, blocks, window, states, history, draft)
+    return SequenceState(state.num_tokens, blocks, window, states, history, draft, state.storage)
+
+
+def storage_mismatch(cache: ModelCache, state: SequenceState) -> str | None:
+    """Why ``state`` cannot be installed into ``cache`` (its rows are stored another way), or None."""
+    if state.storage == cache.formats.as_dict():
+        return None
+    try:
+        theirs = CacheFormats.from_dict(state.storage).describe() if state.storage is not None else "an unnamed layout"
+    except (KeyError, TypeError, ValueError, AttributeError):
+        theirs = "an unreadable layout"
+    return (f"the prefilled state's cache stores rows as {theirs} but this engine's stores them as {cache.formats.describe()}; "
+            "start the prefill and decode engines with the same --kv-cache-dtype")
 
 
 def reads(plan: SequenceState) -> list[RowRead]:
@@ -146,10 +171,21 @@ def _live(n: int, rows: int) -> np.ndarray:
     return np.arange(max(0, n - rows), n, dtype=np.int64)
 
 
-def _read(pool: torch.Tensor, base: int, rows: np.ndarray, positions: np.ndarray) -> RingRows:
-    """The rows holding ``positions`` (those below the slot's floor, which it never computed, left out)."""
+def _storage(pool: torch.Tensor | PackedPool, base: int) -> tuple[torch.Tensor, int]:
+    """Where the rows from logical row ``base`` on are stored: the pool itself, or the packed region holding
+    them (its records, rows counted from the region's start)."""
+    if isinstance(pool, PackedPool):
+        region = pool.region_of(base)
+        return region.data, base - region.start
+    return pool, base
+
+
+def _read(pool: torch.Tensor | PackedPool, base: int, rows: np.ndarray, positions: np.ndarray) -> RingRows:
+    """The rows holding ``positions`` (those below the slot's floor, which it never computed, left out), as
+    stored (a packed pool's records)."""
     held = rows >= 0
-    return RingRows(positions[held], RowRead(pool, base + rows[held]))
+    data, start = _storage(pool, base)
+    return RingRows(positions[held], RowRead(data, start + rows[held]))
 
 
 def _tail(r: RingRows, keep: int) -> RingRows:
@@ -158,9 +194,14 @@ def _tail(r: RingRows, keep: int) -> RingRows:
     return RingRows(r.positions[k:], r.data[k:])
 
 
-def _write(pool: torch.Tensor, base: int, rows: np.ndarray, data: torch.Tensor) -> None:
-    if len(rows):
-        pool.index_copy_(0, torch.from_numpy(base + rows).to(pool.device), data.to(pool.device, pool.dtype))
+def _write(pool: torch.Tensor | PackedPool, base: int, rows: np.ndarray, data: torch.Tensor) -> None:
+    """Rows as ``_read`` gave them into ``rows`` (from logical row ``base``); a packed pool takes records as they are."""
+    if not len(rows):
+        return
+    target, start = _storage(pool, base)
+    if isinstance(pool, PackedPool) and (data.dtype != torch.uint8 or data.shape[1] != target.shape[1]):
+        raise ValueError(f"rows of {data.shape[1]} {data.dtype} are not {target.shape[1]}-byte records of this packed cache")
+    target.index_copy_(0, torch.from_numpy(start + rows).to(target.device), data.to(target.device, target.dtype))
 
 
 def read_sequence(cache: ModelCache, ring: DSparkRing | None, slot: int, blocks: list[int], num_tokens: int) -> SequenceState:
@@ -212,7 +253,7 @@ def plan_sequence(cache: ModelCache, ring: DSparkRing | None, slot: int, blocks:
         history = _read(cache.history.view(-1, 1), 0, cache.history_rows_of(slots(pos), pos), pos)
     parts = cache.block_parts()
     block_reads = [[RowRead(p.pool, p.base + b * p.rows + np.arange(p.rows, dtype=np.int64)) for p in parts] for b in used]
-    return SequenceState(num_tokens, block_reads, window, states, history, _read_draft(ring, slot, num_tokens))
+    return SequenceState(num_tokens, block_reads, window, states, history, _read_draft(ring, slot, num_tokens), cache.formats.as_dict())
 
 
 def _read_draft(ring: DSparkRing | None, slot: int, num_tokens: int) -> DraftContext | None:

@@ -142,12 +142,17 @@ def test_kv_bytes_per_request_are_the_prompt_times_the_cache_per_token(ep, pd):
         assert t.entry_bytes == ep.SEED_WORKLOAD.prompt_len * per_token
         assert t.total_bytes == pytest.approx(t.entry_bytes + t.ring_bytes, rel=1e-12)
         assert t.transfer_ms == pytest.approx(t.total_bytes / (sc.link.bw * ep.LINK_EFFICIENCY) * 1e3)
-    for name, config in configs.items():  # the engine's cache planner sizes the same state, ring for ring
+    for name, config in configs.items():  # the engine's cache planner sizes the same state, ring for ring, in either layout
         mc = parse_config(config)
-        geometry = CacheGeometry.build(mc, block_size_for(mc, 256), 1, 1 << 20)
         model = next(m for m in ep.MODELS.values() if m.name == name)
-        assert ep.kv_bytes_per_token(ep.KV_FORMATS["bf16"], model) == geometry.bytes_per_token(torch.bfloat16)
-        assert ep.kv_ring_bytes(ep.KV_FORMATS["bf16"], model) == geometry.bytes_per_slot(torch.bfloat16)
+        for fmt, kv_cache_dtype in (("bf16", "model"), ("fp8", "fp8")):
+            geometry = CacheGeometry.build(mc, block_size_for(mc, 256), 1, 1 << 20, kv_cache_dtype)
+            assert ep.kv_bytes_per_token(ep.KV_FORMATS[fmt], model) == geometry.bytes_per_token(torch.bfloat16), (name, fmt)
+            assert ep.kv_ring_bytes(ep.KV_FORMATS[fmt], model) == geometry.bytes_per_slot(torch.bfloat16), (name, fmt)
+    v4, v41 = (ep.KV_FORMATS["fp8"].of(m) for m in (ep.V4_FLASH, ep.V41_FLASH))
+    assert (v4.window_bytes, v4.entry_bytes, v4.index_key_bytes) == (584, 584, 68)  # DeepSeek's FlashMLA / DeepGEMM layout
+    assert (v41.window_bytes, v41.entry_bytes, v41.index_key_bytes) == (528, 288, 68)
+    assert ep.kv_bytes_per_token(ep.KV_FORMATS["fp8"], ep.V4_FLASH) == 3514.25 and ep.kv_bytes_per_token(ep.KV_FORMATS["fp8"], ep.V41_FLASH) == 890
 
 
 def test_v41_shapes_match_the_engines_config_and_weight_count(ep, tmp_path):

@@ -98,13 +98,15 @@ def test_mooncake_reads_from_another_process(prefilled):
             proc.wait(10)
 
 
-def test_mooncake_reads_the_prefill_pools_in_place():
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "fp8"])
+def test_mooncake_reads_the_prefill_pools_in_place(kv_cache_dtype):
     """The prefill side registers its pools once and publishes a manifest; the decode side reads exactly the
-    request's rows in one batch, the decode engine continues as a single engine would, and the prefill side's
-    blocks are freed once the decode side says it has read them."""
+    request's rows in one batch (a packed cache's records as they lie in its regions), the decode engine continues
+    as a single engine would, and the prefill side's blocks are freed once the decode side says it has read them."""
     from deepinfer.kv_transfer.handoffs import Handoffs
 
-    colocated, prefill, decode = LLM(backend="cpu"), LLM(backend="cpu", max_prefill_chunk=32), LLM(backend="cpu", max_num_seqs=4)
+    kw = dict(backend="cpu", kv_cache_dtype=kv_cache_dtype)
+    colocated, prefill, decode = LLM(**kw), LLM(**kw, max_prefill_chunk=32), LLM(**kw, max_num_seqs=4)
     ids = colocated.get_tokenizer().encode(" ".join(f"word{i % 37}" for i in range(150))).ids
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     expected = colocated.generate([ids], params)[0].outputs[0].token_ids

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from deepinfer.kv_store.layout import block_path
 from deepinfer.kv_store.policy import parse_duration, parse_size
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import InvalidRequestError, SamplingParams
+from deepinfer_interfaces.kv_format import KVFormat, pack_rows
 from tests.helpers.checkpoints import BOS_ID, byte_tokens, make_tiny_checkpoint
 from tests.helpers.subprocesses import ROOT, run_python
 
@@ -144,8 +146,8 @@ def test_bad_files_are_ignored_and_recomputed(ckpt, reference, tmp_path, damage)
         data = data[: len(data) // 2]
     elif damage == "foreign":  # a well-formed file from an engine with other weights or settings
         store = first.engine.store
-        tensors = decode(data, store.fingerprint, int(bad.stem, 16), store.dtype, store.parts)
-        data = encode("0" * 32, int(bad.stem, 16), store.dtype, store.parts, tensors)
+        tensors = decode(data, store.fingerprint, int(bad.stem, 16), store.parts)
+        data = encode("0" * 32, int(bad.stem, 16), store.parts, tensors)
     else:
         data = paths[4].read_bytes()
     bad.write_bytes(data)
@@ -155,7 +157,95 @@ def test_bad_files_are_ignored_and_recomputed(ckpt, reference, tmp_path, damage)
     m = _done(second)
     assert m["kv_store_bad_files"] == 1 and m["kv_store_hit_blocks"] == 3  # the run of good blocks before it
     store = second.engine.store
-    decode(bad.read_bytes(), store.fingerprint, int(bad.stem, 16), store.dtype, store.parts)  # recomputed and stored anew
+    decode(bad.read_bytes(), store.fingerprint, int(bad.stem, 16), store.parts)  # recomputed and stored anew
+
+
+GREEDY_LP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+
+def _serve_lp(llm, prompts):
+    """Each prompt alone, in order: its tokens and every position's top log-probabilities."""
+    outs = [llm.generate([p], GREEDY_LP)[0].outputs[0] for p in prompts]
+    return [(o.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.logprobs]) for o in outs]
+
+
+def test_packed_blocks_round_trip_through_the_store(ckpt, tmp_path):
+    """kv_cache_dtype fp8: blocks are stored as the records the cache holds, and a fresh engine that loads them
+    continues exactly as the engine that wrote them did from its memory."""
+    prompts = _prompts()
+    first = _llm(ckpt, tmp_path, kv_cache_dtype="fp8", swa_replay="exact")
+    assert first.engine.runner.cache.formats.name == "fp8"
+    wrote = _serve_lp(first, prompts)  # the second and third prompts hit the first one's blocks in memory
+    m = _done(first)
+    assert m["kv_store_blocks_written"] > 0 and first.get_metrics()["cached_tokens"] > 0
+    header = json.loads(_header(_files(tmp_path)[0]))
+    assert {p[3] for p in header["parts"]} == {"uint8"} and {p[4]["name"] for p in header["parts"]} == {"v4.kv.fp8", "v4.index.fp4"}
+
+    second = _llm(ckpt, tmp_path, kv_cache_dtype="fp8", swa_replay="exact")
+    assert _serve_lp(second, prompts[1:]) == wrote[1:]
+    m = _done(second)
+    assert m["kv_store_hits"] >= 1 and m["kv_store_bad_files"] == 0 and m["kv_store_hit_blocks"] >= 200 // 16
+    assert second.get_metrics()["computed_tokens"] < sum(len(p) for p in prompts[1:])  # the prefix came from the store
+
+
+@pytest.mark.parametrize("part", ["kv", "index"])
+def test_a_corrupted_scale_is_a_refused_file(ckpt, tmp_path, part):
+    """A stored fp8 block whose record holds a NaN scale (ue8m0 0xFF) under a valid checksum is refused naming
+    its part, counted, deleted and recomputed; the run of good blocks before it still loads."""
+    prompts = _prompts()
+    expected = _serve(_llm(ckpt, kv_cache_dtype="fp8", swa_replay="exact"), prompts)  # no store
+    first = _llm(ckpt, tmp_path, kv_cache_dtype="fp8", swa_replay="exact")
+    assert _serve(first, prompts[:1]) == expected[:1]
+    _done(first)
+    store = first.engine.store
+    bad = _shared_paths(first, prompts)[3]
+    tensors = decode(bad.read_bytes(), store.fingerprint, int(bad.stem, 16), store.parts)
+    k, shape = next((k, p) for k, p in enumerate(store.parts) if p.name == f"layers.1.{part}")
+    tensors[k][1, shape.format.scale_offset] = 0xFF
+    bad.write_bytes(encode(store.fingerprint, int(bad.stem, 16), store.parts, tensors))
+    with pytest.raises(BadBlockFile, match=rf"scale out of range .* in part layers\.1\.{part}, record 1"):
+        decode(bad.read_bytes(), store.fingerprint, int(bad.stem, 16), store.parts)
+
+    second = _llm(ckpt, tmp_path, kv_cache_dtype="fp8", swa_replay="exact")
+    assert _serve(second, prompts[1:]) == expected[1:]
+    m = _done(second)
+    assert m["kv_store_bad_files"] == 1 and m["kv_store_hit_blocks"] == 3
+    decode(bad.read_bytes(), store.fingerprint, int(bad.stem, 16), store.parts)  # recomputed and stored anew
+
+
+def test_fp8_store_files_are_smaller_by_the_geometry_ratio(ckpt, tmp_path):
+    """Each file's payload is the geometry's bytes per block, so fp8 files shrink by its ratio to the model dtype's."""
+    prompts = _prompts()[:1]
+    payload, files = {}, {}
+    for kv in ("model", "fp8"):
+        llm = _llm(ckpt, tmp_path / kv, kv_cache_dtype=kv)
+        _serve(llm, prompts)
+        m = _done(llm)
+        runner = llm.engine.runner
+        per_block = runner.geometry.bytes_per_block(runner.dtype)
+        sizes = {p.name: (p.stat().st_size, _payload_bytes(p)) for p in _files(tmp_path / kv)}
+        assert len(sizes) == m["kv_store_blocks_written"] >= 200 // 16 and {b for _, b in sizes.values()} == {per_block}
+        assert llm.engine.store.block_bytes == per_block
+        payload[kv], files[kv] = per_block, sizes
+    assert files["model"].keys() == files["fp8"].keys()  # the same blocks (hashes) either way
+    ratio = payload["model"] / payload["fp8"]
+    assert payload["model"] == 448 and payload["fp8"] == 172 and ratio > 2.5  # 4 + 4 + 1 rows of 16 / 8 / 16 channels
+    for name, (size, _) in files["fp8"].items():
+        model_size = files["model"][name][0]
+        header_growth = (size - payload["fp8"]) - (model_size - payload["model"])
+        assert 0 < header_growth < 400  # the fp8 header names each part's record format
+        assert size < model_size / ratio + (size - payload["fp8"])
+
+
+def _header(path: Path) -> bytes:
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<I", data, 8)
+    return data[12 : 12 + n]
+
+
+def _payload_bytes(path: Path) -> int:
+    """A block file's rows: all but the magic, header length, header and digest."""
+    return path.stat().st_size - 12 - len(_header(path)) - 16
 
 
 def test_engines_that_must_not_share_state_do_not(ckpt, reference, tmp_path):
@@ -163,11 +253,11 @@ def test_engines_that_must_not_share_state_do_not(ckpt, reference, tmp_path):
     store = tmp_path / "store"
     _done(_serve_into(_llm(ckpt, store), prompts[:1]))
     other_weights = make_tiny_checkpoint(tmp_path / "other", "mixed", seed=1)
-    for llm in (_llm(other_weights, store), _llm(ckpt, store, dtype="bfloat16")):
+    for llm in (_llm(other_weights, store), _llm(ckpt, store, dtype="bfloat16"), _llm(ckpt, store, kv_cache_dtype="fp8")):
         _serve(llm, prompts[1:2])
         m = _done(llm)
         assert m["kv_store_hits"] == 0 and m["kv_store_misses"] == 1 and m["kv_store_bad_files"] == 0
-    assert len({p.parent.parent.name for p in _files(store)}) == 3  # one fingerprint per engine kind
+    assert len({p.parent.parent.name for p in _files(store)}) == 4  # one fingerprint per engine kind
 
 
 def test_retention_classes_expire_apart(ckpt, tmp_path, capsys):
@@ -303,21 +393,55 @@ def test_durations_and_sizes():
 
 
 def test_block_file_checks():
-    parts = [PartShape("a", 2, 3), PartShape("b", 1, 4)]
+    parts = [PartShape("a", 2, 3, torch.float32), PartShape("b", 1, 4, torch.float32)]
     tensors = [torch.randn(2, 3), torch.randn(1, 4)]
-    data = encode("f" * 32, 7, torch.float32, parts, tensors)
-    back = decode(data, "f" * 32, 7, torch.float32, parts)
+    data = encode("f" * 32, 7, parts, tensors)
+    back = decode(data, "f" * 32, 7, parts)
     assert all(torch.equal(x, y) for x, y in zip(back, tensors))
     cases = {
         "checksum mismatch": (data[:-1] + bytes([data[-1] ^ 1]), "f" * 32, 7, parts),
         "not a block file": (b"junk", "f" * 32, 7, parts),
         "fingerprint mismatch": (data, "e" * 32, 7, parts),
         "another block": (data, "f" * 32, 8, parts),
-        "layout differs": (data, "f" * 32, 7, [PartShape("a", 2, 3), PartShape("b", 2, 2)]),
+        "layout differs": (data, "f" * 32, 7, [PartShape("a", 2, 3, torch.float32), PartShape("b", 2, 2, torch.float32)]),
+        "part a is stored as 2 rows of 3 float32, this cache holds 2 rows of 3 bfloat16":
+            (data, "f" * 32, 7, [PartShape("a", 2, 3, torch.bfloat16), parts[1]]),
     }
     for reason, (raw, fp, h, ps) in cases.items():
         with pytest.raises(BadBlockFile, match=reason):
-            decode(raw, fp, h, torch.float32, ps)
+            decode(raw, fp, h, ps)
+
+
+#: one record format per scale kind: 16 FP8 codes with ue8m0 scales, 8 FP4 codes with e4m3 or fp32 scales
+SCALE_FORMATS = {
+    "ue8m0": KVFormat("t.fp8", 16, "e4m3", 8, "ue8m0"),
+    "e4m3": KVFormat("t.fp4", 8, "e2m1", 4, "e4m3"),
+    "fp32": KVFormat("t.fp4f", 8, "e2m1", 4, "fp32"),
+}
+#: scale bytes that are not scales, by scale kind: NaN, infinite, zero or negative
+BAD_SCALES = {
+    "ue8m0": [b"\xff"],
+    "e4m3": [b"\x7f", b"\x00", b"\xb8"],  # NaN, zero, -1.0
+    "fp32": [struct.pack("<f", v) for v in (float("nan"), float("inf"), 0.0, -1.0)],
+}
+
+
+@pytest.mark.parametrize("scale", sorted(SCALE_FORMATS))
+def test_a_packed_part_with_a_bad_scale_is_refused_naming_the_part(scale):
+    fmt = SCALE_FORMATS[scale]
+    parts = [PartShape("layers.1.kv", 3, fmt.record_bytes, torch.uint8, fmt)]
+    records = pack_rows(torch.randn(3, fmt.dim), fmt)
+    assert torch.equal(decode(encode("f" * 32, 7, parts, [records]), "f" * 32, 7, parts)[0], records)
+    for bad in BAD_SCALES[scale]:
+        damaged = records.clone()
+        damaged[2, fmt.scale_offset : fmt.scale_offset + len(bad)] = torch.tensor(list(bad), dtype=torch.uint8)
+        data = encode("f" * 32, 7, parts, [damaged])  # a valid checksum over a bad scale
+        with pytest.raises(BadBlockFile, match=r"scale out of range .* in part layers\.1\.kv, record 2"):
+            decode(data, "f" * 32, 7, parts)
+    plain = [PartShape("layers.1.kv", 3, fmt.dim, torch.float32)]  # the same block of a model-dtype cache
+    stored_as = rf"part layers\.1\.kv is stored as 3 {fmt.name} records of {fmt.record_bytes} uint8"
+    with pytest.raises(BadBlockFile, match=rf"its layout differs .* {stored_as}, this cache holds 3 rows of {fmt.dim} float32"):
+        decode(encode("f" * 32, 7, parts, [records]), "f" * 32, 7, plain)
 
 
 def test_block_hashes_are_the_same_in_every_process():

@@ -4,10 +4,13 @@ single engine would, computing no prompt token itself."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import DeepInferError
+from deepinfer.kv_transfer import PrefilledRequest, handoff
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -165,3 +168,76 @@ def test_v41_state_crosses_engines(tmp_path, spec):
         got = _run(decode.engine, ids, params, prefilled=handed)
         assert decode.engine.output(got).outputs[0].token_ids == expected.token_ids
         decode.engine.release([got.request_id])
+
+
+def _handed(engine, ids):
+    """The state ``engine`` prefilled for ``ids`` (its cache released)."""
+    first = _run(engine, ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), hold_kv=True)
+    handed = engine.export_prefilled(first.request_id)
+    engine.release_prefilled(first.request_id)
+    engine.release([first.request_id])
+    return handed
+
+
+def _predicted_bytes(engine, state) -> tuple[int, int]:
+    """What the cache geometry says ``state`` holds: its blocks and window rows, and the rest (compressor states,
+    token history) in their pools' element sizes."""
+    g, dtype, cache = engine.runner.geometry, engine.runner.dtype, engine.runner.cache
+    kv = len(state.blocks) * g.bytes_per_block(dtype)
+    kv += sum(len(rows.positions) * g.window_row_bytes(g.specs[lt], dtype) for rows, lt in zip(state.window, g.layer_types))
+    rest = 0
+    for i, layer in enumerate(state.states):
+        for branch, pair in layer.items():
+            for rows, pool in zip(pair, cache.state_pool(i, branch)):
+                rest += len(rows.positions) * pool.shape[1] * pool.element_size()
+    rest += len(state.history.positions) * 8 if state.history is not None else 0
+    return kv, rest
+
+
+def test_fp8_state_moves_as_records_and_continues_exactly():
+    """kv_cache_dtype fp8 on both sides: blocks and window rows travel as the records the cache holds (never
+    decoded), the decode engine continues as a colocated fp8 engine does, and the state is smaller than the
+    model-dtype one by what the geometry predicts; a decode engine that stores rows otherwise refuses it."""
+    import torch
+
+    colocated = LLM(backend="cpu", kv_cache_dtype="fp8", speculative_method=None)
+    prefill = LLM(backend="cpu", kv_cache_dtype="fp8", speculative_method=None, max_prefill_chunk=96).engine
+    decode = LLM(backend="cpu", kv_cache_dtype="fp8", speculative_method=None, max_num_seqs=8).engine
+    plain = LLM(backend="cpu", kv_cache_dtype="model", speculative_method=None, max_prefill_chunk=96).engine
+    assert prefill.runner.cache.formats.name == "fp8" and plain.runner.cache.formats.name == "model"
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    tok = colocated.get_tokenizer()
+    ratios = []
+    for prompt in PROMPTS[1:]:
+        ids = tok.encode(prompt).ids
+        expected = colocated.generate([ids], params)[0].outputs[0]
+        handed = _handed(prefill, ids)
+        s = handed.state
+        assert s.blocks and all(t.dtype == torch.uint8 for block in s.blocks for t in block)
+        assert all(rows.data.dtype == torch.uint8 and rows.data.shape[1] == 52 for rows in s.window)  # 16 FP8 + 16 bf16 rope + 1 scale, padded
+        before = decode.stats.prefill_tokens
+        got = _run(decode, ids, params, prefilled=handed)
+        assert decode.output(got).outputs[0].token_ids == expected.token_ids
+        assert decode.stats.prefill_tokens == before
+        decode.release([got.request_id])
+
+        as_model = _handed(plain, ids)
+        kv8, rest8 = _predicted_bytes(prefill, s)
+        kvm, restm = _predicted_bytes(plain, as_model.state)
+        assert s.nbytes == kv8 + rest8 and as_model.state.nbytes == kvm + restm
+        assert len(s.blocks) == len(as_model.state.blocks) and rest8 == restm  # float32 compressor states either way
+        assert kvm / kv8 > 2.4  # 128-byte float32 window rows against 52-byte records; blocks alike
+        ratios.append(s.nbytes / as_model.state.nbytes)
+        payload, _ = handoff.encode(handed)
+        assert len(payload) < len(handoff.encode(as_model)[0])
+
+        refused = plain.add_request(ids, params, prefilled=handed)
+        assert refused.finished and "start the prefill and decode engines with the same --kv-cache-dtype" in refused.error
+        assert "stores rows as fp8: window v4.kv.fp8 (52 B, ue8m0 scales)" in refused.error and "model (plain rows" in refused.error
+        plain.release([refused.request_id])
+        # records of the same size with other scales (a float-scaled checkpoint under auto) are not these records either
+        other = {**s.storage, "window": {**s.storage["window"], "scale": "fp32"}, "entry": {**s.storage["entry"], "scale": "fp32"}}
+        refused = decode.add_request(ids, params, prefilled=PrefilledRequest(replace(s, storage=other), handed.output_token_ids))
+        assert refused.finished and "window v4.kv.fp8 (52 B, fp32 scales)" in refused.error
+        decode.release([refused.request_id])
+    assert all(r < 0.55 for r in ratios)  # the float32 compressor states travel as they are

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer_interfaces import PackedPool
+from deepinfer_interfaces import KVFormat, PackedPool
 
 from ...errors import DeepInferError
 from .batch import Batch
@@ -57,6 +57,8 @@ class BlockPart:
     pool: torch.Tensor
     base: int
     rows: int
+    #: the records' format of a packed pool's part (None: plain rows of the pool's dtype)
+    format: KVFormat | None = None
 
     @property
     def width(self) -> int:
@@ -297,7 +299,7 @@ def _part(name: str, pool: torch.Tensor | PackedPool, base: int, rows: int) -> B
     """The block part at logical row ``base`` of ``pool``: for a packed pool, in its region's records."""
     if isinstance(pool, PackedPool):
         region = pool.region_of(base) if pool.shape[0] > base else pool.regions[-1]
-        return BlockPart(name, region.data, base - region.start, rows)
+        return BlockPart(name, region.data, base - region.start, rows, region.format)
     return BlockPart(name, pool, base, rows)
 
 

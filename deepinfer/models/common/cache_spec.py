@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -120,6 +120,38 @@ class CacheFormats:
     def row_bytes(self, fmt: KVFormat | None, width: int, dtype: torch.dtype) -> int:
         """Bytes of one row stored as ``fmt`` (None: ``width`` elements of ``dtype``)."""
         return fmt.record_bytes if fmt is not None else width * _itemsize(dtype)
+
+    def as_dict(self) -> dict[str, object]:
+        """Every field as plain data (each format's fields, None for the model dtype): what must match for two
+        caches' rows to be interchangeable (the KV store's fingerprint, a transferred sequence's state)."""
+        state = str(self.state_dtype).removeprefix("torch.") if self.state_dtype is not None else None
+        return {"name": self.name, "window": format_fields(self.window), "entry": format_fields(self.entry),
+                "index": format_fields(self.index), "index_rotate": self.index_rotate, "state_dtype": state}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CacheFormats":
+        """The formats ``as_dict`` gave (``ValueError``/``TypeError`` for anything else)."""
+        def fmt(f: dict[str, Any] | None) -> KVFormat | None:
+            return None if f is None else KVFormat(**f)
+
+        state = d.get("state_dtype")
+        state_dtype = getattr(torch, state) if state is not None else None
+        if state_dtype is not None and not isinstance(state_dtype, torch.dtype):
+            raise ValueError(f"{state!r} is not a dtype")
+        return cls(str(d["name"]), fmt(d["window"]), fmt(d["entry"]), fmt(d["index"]), bool(d["index_rotate"]), state_dtype)
+
+    def describe(self) -> str:
+        """One line naming how rows are stored: ``model`` (plain rows), or each kind's record format, bytes and scales."""
+        if not self.packed:
+            return "model (plain rows in the model dtype)"
+        kinds = [("window", self.window), ("entries", self.entry), ("indexer keys", self.index)]
+        parts = [f"{what} {fmt.name} ({fmt.record_bytes} B, {fmt.scale} scales)" for what, fmt in kinds if fmt is not None]
+        return f"{self.name}: " + ", ".join(parts) + (", indexer rotated" if self.index_rotate else "")
+
+
+def format_fields(fmt: KVFormat | None) -> dict[str, object] | None:
+    """A record format's fields as plain data (None for plain rows)."""
+    return None if fmt is None else dataclasses.asdict(fmt)
 
 
 @dataclass(frozen=True)
