@@ -15,10 +15,11 @@ def model_dir(arg: str | None, variant: str = "mixed") -> Path:
     """``arg``, else the bundled model when present, else a tiny random checkpoint."""
     if arg:
         return Path(arg)
-    bundled = ROOT / "deepinfer" / "models" / "tiny-v4"
-    if (bundled / "config.json").is_file():
-        return bundled
     sys.path.insert(0, str(ROOT))
+    from deepinfer.engine import BUNDLED_MODEL
+
+    if (BUNDLED_MODEL / "config.json").is_file():
+        return BUNDLED_MODEL
     from tests.helpers.checkpoints import make_tiny_checkpoint
 
     return make_tiny_checkpoint(Path(tempfile.mkdtemp()), variant)
