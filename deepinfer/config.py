@@ -28,7 +28,10 @@ class EngineConfig(BaseModel):
     backend: str = Field("auto", description="backend plugin name, or 'auto'")
     kernels: str | None = Field(None, description="kernel-set plugin overriding the backend's own")
     interpret: bool = Field(False, description="run Triton kernels through Triton's CPU interpreter")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
+        "auto", description="dtype of the unquantized weights and activations; auto: float32 on the host, bfloat16 on an "
+        "accelerator; float64 (where the device has it): reference runs whose rounding decisions fp32 noise cannot flip"
+    )
     quantization: Literal["auto", "dequantize"] = Field(
         "auto", description="auto: keep the checkpoint's FP8/FP4 weights quantized; dequantize: load every weight in dtype"
     )

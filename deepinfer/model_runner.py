@@ -50,7 +50,7 @@ PROFILE_RUNS = 4
 #: same model, backend, dtype and slots (as tests and benchmarks do) reuses the first one's prior
 _PROFILES: dict[tuple, StepCostProfile] = {}
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass

@@ -78,22 +78,3 @@ def write_tiny_v41_draft(directory: Path, seed: int = 0, **text: Any) -> Path:
     save_file(tensors, str(directory / "mtp.safetensors"))
     return directory
 
-
-def plant_bigrams(directory: Path, pairs: dict[int, int], strength: float = 40.0) -> None:
-    """Rewrite the draft's Markov head so that after token ``a`` it proposes ``pairs[a]`` (a bias of
-    ``strength`` logits; one rank per pair, every other row zero): a draft that agrees with the target
-    wherever the target's greedy continuation follows those bigrams."""
-    from safetensors.torch import load_file
-
-    path = directory / "mtp.safetensors"
-    tensors = load_file(str(path))
-    last = max(int(name.split(".")[1]) for name in tensors)
-    w1, w2 = (tensors[f"mtp.{last}.markov_head.{part}.weight"] for part in ("embed", "head"))
-    if len(pairs) > w1.shape[1]:
-        raise ValueError(f"{len(pairs)} bigrams need a Markov rank of at least {len(pairs)}, not {w1.shape[1]}")
-    w1.zero_()
-    w2.zero_()
-    for rank, (a, b) in enumerate(sorted(pairs.items())):
-        w1[a, rank] = strength
-        w2[b, rank] = 1.0
-    save_file(tensors, str(path))

@@ -3,8 +3,9 @@
 The published description is transformers' main-branch ``deepseek_v41`` modelling
 code; this module re-derives every step in plain PyTorch over one whole sequence
 (no KV cache, no chunking) and imports nothing from ``deepinfer``: the config is
-read from ``config.json``, the tensors straight from ``model.safetensors`` under
-the release's names, the tokenizer with ``tokenizers.Tokenizer.from_file``.
+read from ``config.json``, the tensors from the ``*.safetensors`` files under
+the release's names (FP8 / FP4 weights decoded by ``oracle_tensors``), the
+tokenizer with ``tokenizers.Tokenizer.from_file``.
 
 Covered: interleaved-pair partial RoPE (plain ``main`` rope on ratio-0 layers,
 ``compress`` rope, optionally YaRN, on compressed layers, the indexer and the
@@ -18,12 +19,24 @@ one-site-late ``pre`` collapse; Engram (compressed vocabulary, prime bucket
 layout, hash multipliers, n-gram hash, FP8 rows with UE8M0 scales, the gated
 injection).
 
-Not covered: the QAT fake quantization of the published code (FP8 window KV per
-32 channels, FP4 compressed KV per 16, FP4 indexer q/k per 32). It is skipped
-there whenever the channel count is not a multiple of the block, so a config
-whose ``head_dim`` is not a multiple of 16 and whose ``index_head_dim`` is not
-a multiple of 32 is one where this oracle and the published math agree; the
-oracle refuses any other.
+The QAT rounding of the published code, with ``rounding=True`` (``kv_rounding``),
+the compressors' pooling state (their per-token projections) held in fp32:
+after RoPE the window K=V, every channel, to FP8 e4m3 with ue8m0 scales per 32
+channels; the compressed entries after pooling, norm and RoPE to FP4 e2m1 with
+e4m3 scales per 16; the indexer keys (``k_norm(wk(latent))``, from the unrounded
+latent, after RoPE) and queries (after RoPE) to FP4 e2m1 with ue8m0 scales per
+32, not rotated. The published code skips a rounding whose channel count is not
+a multiple of its block, so by default (``rounding=None``) the oracle refuses a
+config whose ``head_dim`` is a multiple of 16 or whose ``index_head_dim`` is a
+multiple of 32, and computes the unrounded math on any other; ``rounding=True``
+needs both widths multiples of 32; ``rounding=False`` is the unrounded math on
+any config (what a cache of plain rows computes).
+
+``hit`` / ``replay`` give the bounded replay of a prefix hit: the entries and
+indexer keys of windows before ``hit`` are those of a forward over
+``ids[:hit]`` (the cached blocks), and only the tokens from ``hit - replay`` on
+are computed, their sliding windows seeing no earlier token (Engram's n-grams
+still read the earlier token ids).
 
 Exact ties in a top-k choice (common on tiny configs: with few indexer heads
 many entries score exactly 0 after the relu) are broken towards the lower index
@@ -48,7 +61,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-DTYPE = torch.float64
+from .kv_rounding import e2m1_round, e4m3_round
+from .oracle_math import DTYPE, Rope, fold_rope, hc_collapse, hc_expand, hc_mixes, rms_norm, rope_frequencies, top_k_margin
+from .oracle_tensors import CheckpointTensors
 
 
 # ----------------------------------------------------------------------------- config and tensors
@@ -73,6 +88,25 @@ class OracleResult:
     exact_ties: int = 0
     #: index source layer -> ``[T, G]`` its indexer scores (masked), for diagnosis
     index_scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: the position of the first row of ``logits`` (a bounded replay's start)
+    start: int = 0
+    #: KV source layer -> ``[G, head_dim]`` its compressed entries and ``[G, index_head_dim]`` indexer keys
+    #: (rotated, rounded with ``rounding``)
+    entries: dict[int, torch.Tensor] = field(default_factory=dict)
+    index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    """How one forward runs: the rounding, and for a bounded replay the first position it computes, the
+    first position whose compressed windows it computes, and the forward over the cached prefix."""
+
+    rounding: bool = False
+    start: int = 0
+    first: int = 0
+    prior: OracleResult | None = None
+    entries: dict[int, torch.Tensor] = field(default_factory=dict)
+    index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _load_text_config(directory: Path) -> dict[str, Any]:
@@ -92,161 +126,20 @@ def _load_text_config(directory: Path) -> dict[str, Any]:
         kv = text["kv_source_layer_ids"]
         text["candidate_source_layer_id"] = kv[-1] if kv else -1
     text["compress_ratios"] = list(text["compress_ratios"][:n])
-    if text["head_dim"] % 16 == 0 or text["index_head_dim"] % 32 == 0:
-        raise ValueError(
-            f"head_dim={text['head_dim']} / index_head_dim={text['index_head_dim']}: the published QAT fake "
-            "quantization would apply (blocks of 16 / 32 channels), which this oracle does not model"
-        )
     return text
 
 
-class _Tensors:
-    """The checkpoint's tensors by release name, float ones as float64, read lazily."""
-
-    def __init__(self, directory: Path) -> None:
-        from safetensors import safe_open
-
-        self._file = safe_open(str(directory / "model.safetensors"), framework="pt")
-        self._cache: dict[str, torch.Tensor] = {}
-        self.overrides: dict[str, torch.Tensor] = {}
-
-    def raw(self, name: str) -> torch.Tensor:
-        if name in self.overrides:
-            return self.overrides[name]
-        return self._file.get_tensor(name)
-
-    def __call__(self, name: str) -> torch.Tensor:
-        if name not in self._cache:
-            t = self.raw(name)
-            self._cache[name] = t.to(DTYPE)
-        return self._cache[name]
-
-
-# ----------------------------------------------------------------------------- small pieces
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Root-mean-square normalisation over the last axis, optionally scaled per channel."""
-    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    return y if weight is None else y * weight
-
-
-def _yarn_mscale(scale: float, m: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-
-def rope_frequencies(params: dict[str, Any], rope_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
-    """One inverse frequency per rotated pair and the cos/sin amplitude: plain, or YaRN's blend of
-    interpolated (divided by ``factor``) and original frequencies across a linear ramp of pairs."""
-    base = float(params["rope_theta"])
-    pair = torch.arange(0, rope_dim, 2, dtype=DTYPE) / rope_dim
-    plain = base ** (-pair)
-    if params.get("rope_type", params.get("type", "default")) == "default":
-        return plain, 1.0
-    original = params.get("original_max_position_embeddings") or max_positions
-    factor = params.get("factor") or max_positions / original
-    amplitude = params.get("attention_factor")
-    if amplitude is None:
-        if params.get("mscale") and params.get("mscale_all_dim"):
-            amplitude = _yarn_mscale(factor, params["mscale"]) / _yarn_mscale(factor, params["mscale_all_dim"])
-        else:
-            amplitude = _yarn_mscale(factor)
-    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
-
-    def pair_of(rotations: float) -> float:
-        # the pair index whose wavelength fits `rotations` times into the original context
-        return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    lo, hi = max(math.floor(pair_of(fast)), 0), min(math.ceil(pair_of(slow)), rope_dim - 1)
-    if lo == hi:
-        hi += 0.001
-    interpolate = ((torch.arange(rope_dim // 2, dtype=DTYPE) - lo) / (hi - lo)).clamp(0, 1)
-    return plain / factor * interpolate + plain * (1 - interpolate), float(amplitude)
-
-
-@dataclass
-class Rope:
-    """Rotates the trailing ``rope_dim`` channels as adjacent (even, odd) pairs."""
-
-    inv_freq: torch.Tensor
-    amplitude: float
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """``x`` is ``[N, ..., D]`` with ``positions`` ``[N]``; ``inverse`` rotates by minus the angle."""
-        rd = 2 * self.inv_freq.shape[0]
-        angle = positions.to(DTYPE)[:, None] * self.inv_freq
-        cos, sin = angle.cos() * self.amplitude, angle.sin() * self.amplitude
-        if inverse:
-            sin = -sin
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
-        cos, sin = cos.view(shape), sin.view(shape)
-        head, tail = x[..., : x.shape[-1] - rd], x[..., x.shape[-1] - rd :]
-        re, im = tail[..., 0::2], tail[..., 1::2]
-        out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2)
-        return torch.cat([head, out], dim=-1)
-
-
-def fold_rope(text: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``main`` and ``compress`` rope parameters: given per type, or derived from the thetas with
-    ``rope_scaling`` (YaRN, amplitude 1 unless given) applying to ``compress`` only."""
-    rp = text.get("rope_parameters") or {}
-    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
-        return dict(rp["main"]), dict(rp["compress"])
-    scaling = {k: v for k, v in (text.get("rope_scaling") or {}).items() if k not in ("main", "compress")}
-    main = {"rope_type": "default", "rope_theta": text.get("rope_theta", 10000.0)}
-    compress = {**scaling, "rope_theta": text.get("compress_rope_theta", 160000.0)}
-    compress.setdefault("rope_type", compress.get("type", "default"))
-    if compress["rope_type"] == "yarn":
-        compress.setdefault("attention_factor", 1.0)
-    return main, compress
-
-
-def _boundary(values: torch.Tensor, k: int) -> tuple[float, int]:
-    """How close a keep-the-``k``-largest choice per row came to going the other way: the smallest gap
-    between the last kept and the first dropped value, over the row's largest magnitude (exact ties
-    excluded), and the number of rows whose choice fell inside an exact tie."""
-    if values.shape[-1] <= k or k <= 0:
-        return math.inf, 0
-    top = values.sort(dim=-1, descending=True).values
-    kept, dropped = top[..., k - 1], top[..., k]
-    live = torch.isfinite(kept) & torch.isfinite(dropped)
-    ties = int((live & (kept == dropped)).sum())
-    live &= kept != dropped
-    if not live.any():
-        return math.inf, ties
-    scale = torch.where(torch.isfinite(values), values.abs(), 0).amax(-1)
-    gap = (kept - dropped) / (scale + 1e-300)
-    return float(gap[live].min()), ties
-
-
-# ----------------------------------------------------------------------------- mHC
-
-
-def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, text: dict):
-    """``(pre, post, comb)`` of one site from one projection of the RMS-normed flattened streams;
-    ``comb`` is pushed towards doubly stochastic by Sinkhorn (columns first, then rows and columns)."""
-    hc, eps = text["hc_mult"], text["hc_eps"]
-    flat = rms_norm(streams.flatten(1), None, text["rms_norm_eps"])
-    mix = flat @ fn.t()
-    pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mix[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    logits = (mix[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(-1, hc, hc)
-    comb = torch.softmax(logits, dim=-1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(text["hc_sinkhorn_iters"] - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return pre, post, comb
-
-
-def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """``Σ_k pre_k · stream_k``: ``[T, hc, D]`` -> ``[T, D]``."""
-    return (pre[:, :, None] * streams).sum(1)
-
-
-def hc_expand(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New stream ``k`` = ``post_k · x + Σ_j comb[j, k] · residual_j``."""
-    return post[:, :, None] * x[:, None, :] + torch.einsum("tjk,tjd->tkd", comb, residual)
+def _check_rounding(text: dict[str, Any], rounding: bool | None) -> bool:
+    """Whether to round (see the module docstring), or a ``ValueError`` naming why the config does not fit."""
+    hd, ihd = text["head_dim"], text["index_head_dim"]
+    if rounding is None and (hd % 16 == 0 or ihd % 32 == 0):
+        raise ValueError(
+            f"head_dim={hd} / index_head_dim={ihd}: the published QAT fake quantization would apply (blocks of "
+            "16 / 32 channels); pass rounding=True to model it or rounding=False for the unrounded math"
+        )
+    if rounding and (hd % 32 or ihd % 32):
+        raise ValueError(f"rounding=True needs head_dim ({hd}) and index_head_dim ({ihd}) multiples of 32")
+    return bool(rounding)
 
 
 # ----------------------------------------------------------------------------- Engram
@@ -344,7 +237,7 @@ def engram_hash_ids(text: dict, token_ids: list[int], tokenizer_file: Path) -> d
     return out
 
 
-def engram_rows(tensors: _Tensors, layer: int, rows: torch.Tensor) -> torch.Tensor:
+def engram_rows(tensors: CheckpointTensors, layer: int, rows: torch.Tensor) -> torch.Tensor:
     """Dequantised table rows ``[..., head_dim]``: FP8 e4m3 codes times ``2^(e - 127)`` per 32 channels."""
     codes = tensors.raw(f"layers.{layer}.engram.embed.weight")[rows.flatten()]
     values = codes.to(torch.float32).to(DTYPE)
@@ -355,7 +248,7 @@ def engram_rows(tensors: _Tensors, layer: int, rows: torch.Tensor) -> torch.Tens
     return values.view(*rows.shape, -1)
 
 
-def engram(streams: torch.Tensor, rows: torch.Tensor, tensors: _Tensors, layer: int, text: dict) -> torch.Tensor:
+def engram(streams: torch.Tensor, rows: torch.Tensor, tensors: CheckpointTensors, layer: int, text: dict) -> torch.Tensor:
     """Adds one value per token to every stream, each stream gated by the sigmoid of the signed square
     root of its RMS-normalised, ``q_weight·k_weight``-weighted dot product with its own key."""
     hc, d, eps = text["hc_mult"], text["hidden_size"], text["rms_norm_eps"]
@@ -391,19 +284,24 @@ class _Shared:
 
     def note(self, values: torch.Tensor, k: int) -> None:
         """Record how close a top-``k`` choice over ``values`` came to a different one."""
-        margin, ties = _boundary(values, k)
+        margin, ties = top_k_margin(values, k)
         self.margin, self.ties = min(self.margin, margin), self.ties + ties
 
 
-def compress(x: torch.Tensor, tensors: _Tensors, layer: int, ratio: int, text: dict) -> torch.Tensor:
-    """``[T // ratio, head_dim]`` pre-rope latents: at ratio 1 ``norm(wkv x)`` per token, above it the
-    per-channel softmax over each group of ``ratio`` tokens' gates weighting their ``wkv x``, normed."""
+def compress(x: torch.Tensor, tensors: CheckpointTensors, layer: int, ratio: int, text: dict, start: int = 0,
+             first: int = 0, state: torch.dtype = DTYPE) -> torch.Tensor:
+    """``[G, head_dim]`` pre-rope latents of the groups ``[g·ratio, (g+1)·ratio)`` at or after position ``first``
+    that the tokens ``x`` (at positions ``start ..``) complete: at ratio 1 ``norm(wkv x)`` per token, above it
+    the per-channel softmax over each group's gates weighting their ``wkv x`` (held and pooled in ``state``,
+    the dtype of the pooling state), normed."""
     p = f"layers.{layer}.attn.compressor."
-    kv = x @ tensors(p + "wkv.weight").t()
+    g0, g1 = -(-first // ratio), (start + x.shape[0]) // ratio
+    rows = torch.arange(g0 * ratio, max(g1, g0) * ratio) - start
+    kv = x[rows] @ tensors(p + "wkv.weight").t()
     if ratio > 1:
-        groups = x.shape[0] // ratio
-        gate = (x @ tensors(p + "wgate.weight").t())[: groups * ratio].view(groups, ratio, -1)
-        kv = (kv[: groups * ratio].view(groups, ratio, -1) * torch.softmax(gate, dim=1)).sum(1)
+        groups = rows.shape[0] // ratio
+        gate = (x[rows] @ tensors(p + "wgate.weight").t()).to(state).view(groups, ratio, -1)
+        kv = (kv.to(state).view(groups, ratio, -1) * torch.softmax(gate, dim=1)).sum(1).to(DTYPE)
     return rms_norm(kv, tensors(p + "norm.weight"), text["rms_norm_eps"])
 
 
@@ -427,8 +325,8 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: i
 
 
 def run_indexer(
-    x: torch.Tensor, q_low: torch.Tensor, positions: torch.Tensor, tensors: _Tensors, layer: int, text: dict,
-    rope: Rope, shared: _Shared, is_candidate_source: bool, reads_candidates: bool,
+    x: torch.Tensor, q_low: torch.Tensor, positions: torch.Tensor, tensors: CheckpointTensors, layer: int, text: dict,
+    rope: Rope, shared: _Shared, is_candidate_source: bool, reads_candidates: bool, rounding: bool = False,
 ) -> None:
     """Scores every query against the group's indexer keys and publishes its top ``index_topk``
     visible entries (confined to the candidate blocks when this layer reads them)."""
@@ -439,6 +337,8 @@ def run_indexer(
     nh, hd, ratio = text["index_n_heads"], text["index_head_dim"], text["compress_ratios"][layer]
     q = (q_low @ tensors(p + "wq_b.weight").t()).view(-1, nh, hd)
     q = rope.rotate(q, positions)
+    if rounding:
+        q = e2m1_round(q, 32)
     per_head = torch.relu(torch.einsum("thd,gd->thg", q, keys)) / math.sqrt(hd)
     weights = (x @ tensors(p + "weights_proj.weight").t()) / math.sqrt(nh)
     scores = (per_head * weights[:, :, None]).sum(1)  # [T, G]
@@ -458,9 +358,10 @@ def run_indexer(
     shared.scores[layer] = scores
 
 
-def attention(x: torch.Tensor, positions: torch.Tensor, tensors: _Tensors, layer: int, text: dict,
-              ropes: dict[str, Rope], shared: _Shared) -> torch.Tensor:
-    """One layer's attention on its normed input ``x`` ``[T, D]``."""
+def attention(x: torch.Tensor, positions: torch.Tensor, tensors: CheckpointTensors, layer: int, text: dict,
+              ropes: dict[str, Rope], shared: _Shared, run: _Run | None = None) -> torch.Tensor:
+    """One layer's attention on its normed input ``x`` ``[T, D]`` (tokens at ``positions``)."""
+    run = run or _Run()
     p = f"layers.{layer}.attn."
     eps = text["rms_norm_eps"]
     nh, hd, ratio = text["num_attention_heads"], text["head_dim"], text["compress_ratios"][layer]
@@ -468,6 +369,8 @@ def attention(x: torch.Tensor, positions: torch.Tensor, tensors: _Tensors, layer
     q_low = rms_norm(x @ tensors(p + "wq_a.weight").t(), tensors(p + "q_norm.weight"), eps)
     q = rope.rotate((q_low @ tensors(p + "wq_b.weight").t()).view(-1, nh, hd), positions)
     kv = rope.rotate(rms_norm(x @ tensors(p + "wkv.weight").t(), tensors(p + "kv_norm.weight"), eps), positions)
+    if run.rounding:
+        kv = e4m3_round(kv, 32)
 
     t = x.shape[0]
     i, j = positions[:, None], positions[None, :]
@@ -475,17 +378,24 @@ def attention(x: torch.Tensor, positions: torch.Tensor, tensors: _Tensors, layer
     keys = kv
     if ratio:
         if layer in text["kv_source_layer_ids"]:
-            latent = compress(x, tensors, layer, ratio, text)
-            starts = ratio * torch.arange(latent.shape[0])
+            latent = compress(x, tensors, layer, ratio, text, run.start, run.first, torch.float32 if run.rounding else DTYPE)
+            cached = -(-run.first // ratio)
+            starts = ratio * (cached + torch.arange(latent.shape[0]))
             ik = latent @ tensors(p + "indexer.wk.weight").t()
-            ik = rms_norm(ik, tensors(p + "indexer.k_norm.weight"), eps)
-            shared.index_keys = ropes["compress"].rotate(ik, starts)
-            shared.entries = ropes["compress"].rotate(latent, starts)
+            ik = ropes["compress"].rotate(rms_norm(ik, tensors(p + "indexer.k_norm.weight"), eps), starts)
+            entries = ropes["compress"].rotate(latent, starts)
+            if run.rounding:
+                ik, entries = e2m1_round(ik, 32), e2m1_round(entries, 16, "e4m3")
+            if run.prior is not None:
+                ik = torch.cat([run.prior.index_keys[layer][:cached], ik])
+                entries = torch.cat([run.prior.entries[layer][:cached], entries])
+            shared.index_keys = run.index_keys[layer] = ik
+            shared.entries = run.entries[layer] = entries
             shared.selected = None
         if layer in text["index_source_layer_ids"]:
             cand = text["candidate_source_layer_id"]
             run_indexer(x, q_low, positions, tensors, layer, text, ropes["compress"], shared,
-                        is_candidate_source=layer == cand, reads_candidates=0 <= cand < layer)
+                        is_candidate_source=layer == cand, reads_candidates=0 <= cand < layer, rounding=run.rounding)
         if shared.entries is not None and shared.entries.shape[0]:
             g = shared.entries.shape[0]
             sel = shared.selected if shared.selected is not None else torch.zeros(t, g, dtype=torch.bool)
@@ -510,7 +420,7 @@ def attention(x: torch.Tensor, positions: torch.Tensor, tensors: _Tensors, layer
 # ----------------------------------------------------------------------------- MoE
 
 
-def expert(x: torch.Tensor, tensors: _Tensors, prefix: str, limit: float | None) -> torch.Tensor:
+def expert(x: torch.Tensor, tensors: CheckpointTensors, prefix: str, limit: float | None) -> torch.Tensor:
     """SwiGLU with the up branch clamped to ``[-limit, limit]`` and the gate branch to at most ``limit``."""
     gate = x @ tensors(prefix + "w1.weight").t()
     up = x @ tensors(prefix + "w3.weight").t()
@@ -520,7 +430,7 @@ def expert(x: torch.Tensor, tensors: _Tensors, prefix: str, limit: float | None)
     return (F.silu(gate) * up) @ tensors(prefix + "w2.weight").t()
 
 
-def moe(x: torch.Tensor, tensors: _Tensors, layer: int, text: dict, shared: _Shared) -> torch.Tensor:
+def moe(x: torch.Tensor, tensors: CheckpointTensors, layer: int, text: dict, shared: _Shared) -> torch.Tensor:
     """Routed experts chosen by biased scores, weighted by unbiased ones, plus the shared expert."""
     p = f"layers.{layer}.ffn."
     logits = x @ tensors(p + "gate.weight").t() / text["gate_temp"]
@@ -552,37 +462,51 @@ def moe(x: torch.Tensor, tensors: _Tensors, layer: int, text: dict, shared: _Sha
 
 
 def oracle_forward(directory: str | Path, token_ids: list[int], overrides: dict[str, torch.Tensor] | None = None,
-                   swap_collapse: bool = False) -> OracleResult:
-    """The dense forward of one sequence at positions ``0..T-1``.
+                   swap_collapse: bool = False, rounding: bool | None = None, hit: int = 0, replay: int = 0) -> OracleResult:
+    """The dense forward of one sequence at positions ``0..T-1``; with ``hit``, the bounded replay of a
+    prefix hit of ``hit`` tokens recomputing the last ``replay`` of them (logits from ``hit - replay``).
 
-    ``overrides`` replaces checkpoint tensors by name; ``swap_collapse`` collapses each site with its
-    OWN ``pre`` instead of the previous site's (both exist only to show the comparison can fail)."""
+    ``rounding``: see the module docstring. ``overrides`` replaces checkpoint tensors by name;
+    ``swap_collapse`` collapses each site with its OWN ``pre`` instead of the previous site's (both exist
+    only to show the comparison can fail)."""
     directory = Path(directory)
     text = _load_text_config(directory)
-    tensors = _Tensors(directory)
+    tensors = CheckpointTensors(directory)
     tensors.overrides = dict(overrides or {})
+    rnd = _check_rounding(text, rounding)
+    if not hit:
+        return _forward(directory, text, tensors, token_ids, swap_collapse, _Run(rnd))
+    prior = _forward(directory, text, tensors, token_ids[:hit], swap_collapse, _Run(rnd))
+    result = _forward(directory, text, tensors, token_ids, swap_collapse, _Run(rnd, hit - replay, hit, prior))
+    result.min_margin, result.exact_ties = min(result.min_margin, prior.min_margin), result.exact_ties + prior.exact_ties
+    return result
+
+
+def _forward(directory: Path, text: dict, tensors: CheckpointTensors, token_ids: list[int], swap_collapse: bool,
+             run: _Run) -> OracleResult:
+    """The forward of ``token_ids[run.start:]`` at their positions."""
     rd, maxpos = text.get("qk_rope_head_dim", 64), text.get("max_position_embeddings", 1048576)
     main, comp = fold_rope(text)
     ropes = {name: Rope(*rope_frequencies(params, rd, maxpos)) for name, params in (("main", main), ("compress", comp))}
     eps, hc = text["rms_norm_eps"], text["hc_mult"]
 
-    ids = torch.tensor(token_ids, dtype=torch.long)
-    positions = torch.arange(len(token_ids))
+    ids = torch.tensor(token_ids[run.start:], dtype=torch.long)
+    positions = torch.arange(run.start, len(token_ids))
     hashes = engram_hash_ids(text, token_ids, directory / "tokenizer.json") if text.get("engram_layer_ids") else {}
     streams = tensors("embed.weight")[ids][:, None, :].expand(-1, hc, -1).clone()
-    pre = torch.zeros(len(token_ids), hc, dtype=DTYPE)
+    pre = torch.zeros(len(ids), hc, dtype=DTYPE)
     pre[:, 0] = 1.0
     shared = _Shared()
-    result = OracleResult(logits=torch.empty(0))
+    result = OracleResult(logits=torch.empty(0), start=run.start)
     for layer in range(text["num_hidden_layers"]):
         p = f"layers.{layer}."
         if layer in hashes:
-            streams = engram(streams, hashes[layer], tensors, layer, text)
+            streams = engram(streams, hashes[layer][run.start:], tensors, layer, text)
         a_pre, a_post, a_comb = hc_mixes(streams, tensors(p + "hc_attn_fn"), tensors(p + "hc_attn_scale"),
                                          tensors(p + "hc_attn_base"), text)
         x = rms_norm(hc_collapse(streams, a_pre if swap_collapse else pre), tensors(p + "attn_norm.weight"), eps)
         result.attn_inputs[layer] = x
-        streams = hc_expand(attention(x, positions, tensors, layer, text, ropes, shared), streams, a_post, a_comb)
+        streams = hc_expand(attention(x, positions, tensors, layer, text, ropes, shared, run), streams, a_post, a_comb)
         f_pre, f_post, f_comb = hc_mixes(streams, tensors(p + "hc_ffn_fn"), tensors(p + "hc_ffn_scale"),
                                          tensors(p + "hc_ffn_base"), text)
         x = rms_norm(hc_collapse(streams, f_pre if swap_collapse else a_pre), tensors(p + "ffn_norm.weight"), eps)
@@ -593,6 +517,7 @@ def oracle_forward(directory: str | Path, token_ids: list[int], overrides: dict[
     result.logits = h @ tensors("head.weight").t()
     result.min_margin, result.exact_ties = shared.margin, shared.ties
     result.index_scores = shared.scores
+    result.entries, result.index_keys = run.entries, run.index_keys
     return result
 
 

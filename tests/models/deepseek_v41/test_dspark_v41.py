@@ -18,7 +18,8 @@ from deepinfer.models.deepseek_v41.draft import DSparkDraftV41
 from deepinfer.models.deepseek_v41.layer import DecoderLayerV41
 from deepinfer_interfaces import Kernels
 from tests.helpers.tiny_v41 import write_tiny_v41
-from tests.helpers.tiny_v41_draft import DRAFT_EXPERTS, DRAFT_FIELDS, STAGES, draft_shapes, plant_bigrams, write_tiny_v41_draft
+from tests.helpers.dspark_planting import plant_bigrams
+from tests.helpers.tiny_v41_draft import DRAFT_EXPERTS, DRAFT_FIELDS, STAGES, draft_shapes, write_tiny_v41_draft
 from deepinfer.models.registry import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
