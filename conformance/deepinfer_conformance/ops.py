@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_interfaces import Device, Kernels, NotSupportedError, QuantizedWeight
+from deepinfer_interfaces import Device, Kernels, NotSupportedError, PackedPool, QuantizedWeight
 from deepinfer_interfaces.errors import first_line
 from deepinfer_interfaces.specs import SPECS, OpSpec
 
@@ -36,18 +36,27 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _map(value: Any, fn) -> Any:
+    """``value`` with ``fn`` (a copy or a device move) applied to each tensor it holds."""
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, QuantizedWeight):  # never in a spec's ``cast``: ``fn`` only copies or moves it
+    if isinstance(value, (QuantizedWeight, PackedPool)):  # never cast: codes, scales and records are bytes
         return value.map(fn)
     if isinstance(value, (list, tuple)):
         return type(value)(_map(v, fn) for v in value)
     return value
 
 
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """A ``cast`` argument in ``dtype``: its tensors rounded to it; a packed pool's records copied as they are,
+    its rows read back in ``dtype`` (the codes of a packed cache do not depend on the dtype under test)."""
+    if isinstance(value, PackedPool):
+        return value.map(torch.clone, dtype)
+    return _map(value, lambda t: t.to(dtype))
+
+
 def _prepare(spec: OpSpec, kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """Round the cast arguments to ``dtype``; copy everything (ops may work in place)."""
-    return {k: _map(v, (lambda t: t.to(dtype)) if k in spec.cast else torch.clone) for k, v in kwargs.items()}
+    return {k: _cast(v, dtype) if k in spec.cast else _map(v, torch.clone) for k, v in kwargs.items()}
 
 
 def override_note(spec: OpSpec, dtype: torch.dtype) -> str:
@@ -66,13 +75,15 @@ INTERPRET_LIMIT_NOTE = "run under Triton's interpreter"
 
 
 def input_elements(kwargs: dict[str, Any]) -> int:
-    """Elements in a case's tensor arguments (quantized weights counted by codes and scales)."""
+    """Elements in a case's tensor arguments (quantized weights counted by codes and scales, packed pools by record bytes)."""
     total = 0
     for value in kwargs.values():
         if isinstance(value, torch.Tensor):
             total += value.numel()
         elif isinstance(value, QuantizedWeight):
             total += value.codes.numel() + value.scales.numel()
+        elif isinstance(value, PackedPool):
+            total += value.nbytes()
         elif isinstance(value, (list, tuple)):
             total += input_elements(dict(enumerate(value)))
     return total
@@ -115,7 +126,7 @@ def run_spec(
                 continue
             rounded = _prepare(spec, case.kwargs, dtype)
             oracle_dtype = torch.float64 if spec.fp64_oracle else torch.float32
-            oracle_in = {k: _map(v, (lambda t: t.to(oracle_dtype)) if k in spec.cast else torch.clone) for k, v in rounded.items()}
+            oracle_in = {k: _cast(v, oracle_dtype) if k in spec.cast else _map(v, torch.clone) for k, v in rounded.items()}
             expected = getattr(reference, spec.op)(**oracle_in)
             if spec.output:
                 expected = spec.output(oracle_in, expected)

@@ -11,6 +11,7 @@ decodes only the rows read; writing quantizes in the write.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -70,6 +71,12 @@ class PackedPool:
 
     def nbytes(self) -> int:
         return sum(r.data.numel() for r in self.regions)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype | None = None) -> "PackedPool":
+        """The same pool with ``fn`` applied to each region's records (a copy or a device move, never a cast:
+        records are bytes), its rows read back in ``dtype`` (default: this pool's)."""
+        regions = tuple(PackedRegion(r.start, fn(r.data), r.format) for r in self.regions)
+        return PackedPool(regions, self.dim, dtype or self.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         """The regions' storage."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_interfaces import Kernels
+from deepinfer_interfaces.kernels.tiles import take_rows
 
 
 def tiled_attention(q, kv, indices, sinks, scale, tile: int, keep: torch.dtype | None, reverse: bool = False):
@@ -28,7 +29,7 @@ def tiled_attention(q, kv, indices, sinks, scale, tile: int, keep: torch.dtype |
     if t == 0 or indices.shape[1] == 0:
         return q.new_zeros(t, h, d)
     qf = q.float()
-    rows = kv[indices.clamp(min=0)].float()  # [T, K, D]
+    rows = take_rows(kv, indices).float()  # [T, K, D]; a packed pool's rows decoded
     valid = indices >= 0
     top = torch.full((t, h, 1), float("-inf"))
     norm = torch.zeros(t, h, 1)
@@ -134,7 +135,7 @@ class HeadDimTileKernels(Kernels):
         t, h, d = q.shape
         if t == 0 or indices.shape[1] == 0:
             return q.new_zeros(t, h, d)
-        rows = kv[indices.clamp(min=0)].float()
+        rows = take_rows(kv, indices).float()
         s = torch.einsum("thd,tkd->thk", q[..., :256].float(), rows[..., :256]) * scale
         s = s.masked_fill((indices < 0)[:, None, :], float("-inf"))
         logits = torch.cat([s, sinks.float()[None, :, None].expand(t, h, 1)], dim=-1)

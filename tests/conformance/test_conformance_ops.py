@@ -3,10 +3,12 @@
 import json
 import xml.etree.ElementTree as ET
 
-from deepinfer_conformance.ops import run_ops
+import torch
+
+from deepinfer_conformance.ops import input_elements, run_ops, run_spec
 from deepinfer_cpu.device import CPUDevice
 from deepinfer_interfaces import Kernels
-from deepinfer_interfaces.specs import SPECS
+from deepinfer_interfaces.specs import FLOAT_DTYPES, SPECS, OpSpec
 from tests.helpers.plugins import make_plugin_dist, run_cli
 
 MUTANT = {
@@ -81,3 +83,23 @@ def test_ops_glob_selects(tmp_path):
     proc = run_cli(["conformance", "--backend", "cpu", "--ops", "r[mo]*", "--report", str(report)])
     assert proc.returncode == 0
     assert {r["op"] for r in json.loads(report.read_text())["results"]} == {"rms_norm", "rope"}
+
+
+def test_packed_pools_reach_the_kernels_as_records_read_in_the_dtype_under_test():
+    """A packed pool's uint8 records are copied (never cast) for each run; its rows decode in the dtype under test."""
+    seen = []
+
+    class Recording(Kernels):
+        def cache_write(self, pool, slots, values):
+            seen.append((pool.dtype, {r.data.dtype for r in pool.regions}, values.dtype))
+            super().cache_write(pool, slots, values)
+
+    spec = SPECS["cache_write"]
+    case = next(c for c in spec.cases() if c.name == "packed_v41_d512_entries_and_window")
+    pool = case.kwargs["pool"]
+    before = [t.clone() for t in pool.tensors()]
+    rows = run_spec(OpSpec(**{**vars(spec), "cases": lambda: [case]}), Recording(), CPUDevice())
+    assert [r.status for r in rows] == ["pass"] * len(FLOAT_DTYPES)
+    assert seen == [(dtype, {torch.uint8}, dtype) for dtype in FLOAT_DTYPES]
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.tensors())), "the case's own pool was written"
+    assert input_elements(case.kwargs) == pool.nbytes() + case.kwargs["slots"].numel() + case.kwargs["values"].numel()

@@ -20,6 +20,10 @@ E2E needs a checkpoint where the bug changes the model's output:
   default 1e-6 the eps is far below the mean square of every normed vector, so
   dropping it changes the logits by ~1e-6, under any fair fp32 threshold.
 
+The packed KV cache mutants (``tests/conformance/mutants_kv.py``) run op parity only, over the packed-cache
+ops (and the attention ops for the one whose bug is there), in the same batch: each must fail exactly the
+ops it breaks.
+
 The communicator mutant (a dispatch that drops the last token) is covered by
 ``tests/conformance/test_conformance_comm.py::test_dispatch_that_drops_a_token_fails``.
 """
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conformance import mutants
+from tests.conformance import mutants, mutants_kv
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.published import make_published_checkpoint
 from tests.helpers.plugins import make_plugin_dist, run_cli_batch
@@ -54,6 +58,21 @@ EXPECTED = {
     "mutant-clamp-up-above-only": ({"swiglu", "moe_experts"}, "mixed", {"clamp"}),
     "mutant-bf16-rope-inverse": ({"rope"}, "mixed", {"greedy-bf16"}),
 }
+#: packed-cache mutant -> ops whose parity it must fail (packing bugs fail cache_write too: it packs through kv_pack)
+PACKED_EXPECTED = {
+    "mutant-kv-half-block-scale": {"kv_pack", "cache_write"},
+    "mutant-kv-rope-rounded": {"kv_pack", "cache_write"},
+    "mutant-kv-fp8-truncates": {"kv_pack", "cache_write"},
+    "mutant-kv-fp4-truncates": {"kv_pack", "cache_write"},
+    "mutant-kv-nibbles-swapped": {"kv_pack", "kv_unpack", "cache_write"},
+    "mutant-kv-ue8m0-floor": {"kv_pack", "cache_write"},
+    "mutant-kv-no-amax-floor": {"kv_pack", "cache_write"},
+    "mutant-hadamard-bf16-sums": {"hadamard"},
+    "mutant-kv-unpack-bf16-multiply": {"kv_unpack"},
+    "mutant-packed-attention-wrong-format": {"sparse_attention", "entry_attention"},
+}
+#: the packed-cache ops every packed-cache kernel set runs (besides the ops it must fail)
+PACKED_OPS = {"kv_pack", "kv_unpack", "hadamard", "cache_write"}
 #: the mutants the greedy, batched, fp32 case alone misses (the reason for the other cases)
 HIDDEN_FROM_GREEDY = {
     "mutant-sample-times-noise", "mutant-sample-squeeze", "mutant-bitmask-msb-first", "mutant-one-token-no-sink",
@@ -64,16 +83,19 @@ HIDDEN_FROM_GREEDY = {
 def test_every_mutant_has_an_expectation():
     assert set(EXPECTED) == set(mutants.MUTANTS)
     assert HIDDEN_FROM_GREEDY <= set(EXPECTED) and not set(mutants.ALTERNATIVES) & set(EXPECTED)
+    assert set(PACKED_EXPECTED) == set(mutants_kv.MUTANTS) and not set(mutants_kv.CORRECT) & set(PACKED_EXPECTED)
 
 
 @pytest.fixture(scope="module")
 def plugin_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mutants")
+    kernels = {name: f"deepinfer_test_mutants:{cls}" for name, cls in {**mutants.MUTANTS, **mutants.ALTERNATIVES}.items()}
+    kernels.update({name: f"deepinfer_test_mutants_kv:{cls}" for name, cls in {**mutants_kv.MUTANTS, **mutants_kv.CORRECT}.items()})
     return make_plugin_dist(
         root,
         "deepinfer-test-mutants",
-        {"deepinfer.kernels": {name: f"deepinfer_test_mutants:{cls}" for name, cls in {**mutants.MUTANTS, **mutants.ALTERNATIVES}.items()}},
-        {"deepinfer_test_mutants": Path(mutants.__file__).read_text()},
+        {"deepinfer.kernels": kernels},
+        {"deepinfer_test_mutants": Path(mutants.__file__).read_text(), "deepinfer_test_mutants_kv": Path(mutants_kv.__file__).read_text()},
     )
 
 
@@ -101,6 +123,11 @@ def reports(plugin_root, checkpoints, tmp_path_factory) -> dict[str, tuple[objec
          "--model", str(checkpoints[EXPECTED[name][1] if name in EXPECTED else "mixed"]), "--report", str(out / f"{name}.json")]
         for name in names
     ]
+    packed = [*PACKED_EXPECTED, *mutants_kv.CORRECT]
+    names += packed
+    for name in packed:
+        ops = [arg for op in sorted(PACKED_OPS | PACKED_EXPECTED.get(name, set())) for arg in ("--ops", op)]
+        commands.append(["conformance", "--backend", "cpu", "--kernels", name, "--suite", "ops", *ops, "--report", str(out / f"{name}.json")])
     procs = run_cli_batch(commands, extra_path=plugin_root, env={"OMP_NUM_THREADS": "1"})
     return {name: (proc, json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else None)
             for name, proc in zip(names, procs)}
@@ -132,3 +159,24 @@ def test_correct_alternative_passes_every_suite(name, reports):
     bad = [r for r in report["results"] if r["status"] not in ("pass", "not_supported")]
     assert not bad, bad[:3]
     assert {r["op"] for r in report["results"] if r["suite"] == "e2e"} >= {"greedy", "single", "sample", "constrained", "clamp"}
+
+
+@pytest.mark.parametrize("name", sorted(PACKED_EXPECTED))
+def test_packed_cache_mutant_fails_its_ops(name, reports):
+    proc, report = reports[name]
+    assert report is not None, proc.stdout + proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = report["results"]
+    assert {r["op"] for r in rows} == PACKED_OPS | PACKED_EXPECTED[name]
+    failing = {r["op"] for r in rows if r["status"] == "fail"}
+    assert failing == PACKED_EXPECTED[name], [r for r in rows if r["status"] != "pass"][:3]
+    assert all(r["status"] == "pass" for r in rows if r["op"] not in failing)
+
+
+@pytest.mark.parametrize("name", sorted(mutants_kv.CORRECT))
+def test_correct_packed_alternative_passes(name, reports):
+    proc, report = reports[name]
+    assert report is not None, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {r["op"] for r in report["results"]} == PACKED_OPS
+    assert all(r["status"] == "pass" for r in report["results"]), [r for r in report["results"] if r["status"] != "pass"][:3]

@@ -14,7 +14,10 @@ Where each op runs is decided at call time (see :meth:`AscendKernels.paths`):
   fused op first where it takes the inputs, the Triton-Ascend kernel otherwise
   (and after the fused op raised);
 - otherwise, and for every op named in ``DEEPINFER_ASCEND_DISABLE``, the
-  reference runs (plain torch, on whatever device the tensors are on).
+  reference runs (plain torch, on whatever device the tensors are on);
+- cache pools of packed records (``PackedPool``) run the reference in every
+  mode: no fused op or kernel here reads the records, the reference decodes
+  the rows it reads.
 
 A fused op that raises (a RuntimeError from an op the SoC or the CANN release
 does not have, a TypeError from a changed signature) never fails a generation:
@@ -40,7 +43,7 @@ from typing import Any, Callable, ClassVar, TypeVar
 
 import torch
 
-from deepinfer_interfaces import Kernels, NotSupportedError, QuantizedWeight
+from deepinfer_interfaces import Kernels, NotSupportedError, PackedPool, QuantizedWeight
 
 from .launch import KERNEL_DTYPES, is_disabled, on_npu, triton_can_run
 from .npu import load_torch_npu
@@ -239,7 +242,7 @@ class AscendKernels(Kernels):
     ) -> torch.Tensor:
         """``npu_sparse_flash_attention`` with sinks on Ascend 950 (see ``npu_v4_ops.sparse_attention``)."""
         reference = lambda: super(AscendKernels, self).sparse_attention(q, kv, indices, sinks, scale)  # noqa: E731
-        if q.shape[0] == 0 or indices.shape[1] == 0 or kv.shape[0] == 0:
+        if q.shape[0] == 0 or indices.shape[1] == 0 or kv.shape[0] == 0 or isinstance(kv, PackedPool):
             return reference()
         from . import npu_v4_ops
 
@@ -314,7 +317,7 @@ class AscendKernels(Kernels):
     ) -> torch.Tensor:
         """Gated softmax pooling over each window (see ``triton_ascend_compressor``)."""
         reference = lambda: super(AscendKernels, self).compress_kv(kv, gate, position_bias, indices, prev_indices)  # noqa: E731
-        if indices.shape[0] == 0 or indices.shape[1] == 0 or kv.shape[0] == 0:
+        if indices.shape[0] == 0 or indices.shape[1] == 0 or kv.shape[0] == 0 or isinstance(kv, PackedPool):
             return reference()
 
         def kernel() -> torch.Tensor:
@@ -330,7 +333,7 @@ class AscendKernels(Kernels):
         """Relu-weighted multi-head scores over gathered keys: ``npu_lightning_indexer`` on Ascend 950 where it
         takes them (see ``npu_v4_ops.indexer_scores``), else the Triton-Ascend kernel (``triton_ascend_indexer``)."""
         reference = lambda: super(AscendKernels, self).indexer_scores(q, weights, keys, indices, scale)  # noqa: E731
-        if q.shape[0] == 0 or indices.shape[1] == 0:
+        if q.shape[0] == 0 or indices.shape[1] == 0 or isinstance(keys, PackedPool):
             return reference()
 
         def kernel() -> torch.Tensor:
@@ -509,7 +512,7 @@ class AscendKernels(Kernels):
         rows) where it takes them (see ``npu_v4_ops.indexer_topk``), else the Triton-Ascend kernels scoring entry
         blocks into a bounded scratch and selecting by rank (``triton_ascend_long_context``)."""
         reference = lambda: super(AscendKernels, self).indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)  # noqa: E731
-        if q.shape[0] == 0 or k <= 0 or table.shape[1] == 0 or keys.shape[0] == 0:
+        if q.shape[0] == 0 or k <= 0 or table.shape[1] == 0 or keys.shape[0] == 0 or isinstance(keys, PackedPool):
             return reference()
 
         def kernel() -> torch.Tensor:
@@ -543,7 +546,7 @@ class AscendKernels(Kernels):
         takes them (see ``npu_v4_ops.entry_attention``), else the Triton-Ascend kernel's running softmax per
         (token, head) (``triton_ascend_long_context``)."""
         reference = lambda: super(AscendKernels, self).entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale)  # noqa: E731
-        if q.shape[0] == 0 or kv.shape[0] == 0:
+        if q.shape[0] == 0 or kv.shape[0] == 0 or isinstance(kv, PackedPool):
             return reference()
 
         def kernel() -> torch.Tensor:

@@ -7,7 +7,8 @@ reference, which computes nothing for them). Dtypes the kernels do not handle
 (anything outside ``launch.KERNEL_DTYPES``, for the DeepSeek-V4 model ops
 outside ``launch.MODEL_DTYPES`` or with operands of mixed dtypes) run the
 reference, and so do quantized weights the kernels cannot read (see
-``_readable``). ``topk_select`` stays the reference: it is one torch sort.
+``_readable``) and cache pools of packed records (``PackedPool``: the
+reference decodes the rows it reads and packs the rows it writes). ``topk_select`` stays the reference: it is one torch sort.
 ``engram_lookup`` runs its kernel only when the table lives on the ids'
 device; a memory-mapped host table is gathered on the host by the reference.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_interfaces import Kernels, QuantizedWeight
+from deepinfer_interfaces import Kernels, PackedPool, QuantizedWeight
 from deepinfer_interfaces.kernels.engram import ENGRAM_SCALE_BLOCK
 from deepinfer_interfaces.kernels.moe import SCORING_FUNCS
 
@@ -24,8 +25,9 @@ from .launch import KERNEL_DTYPES, MODEL_DTYPES, check_device, interpreting
 
 
 def _model_dtypes(*tensors: torch.Tensor) -> bool:
-    """True when every tensor has one dtype the model kernels handle."""
-    return tensors[0].dtype in MODEL_DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)
+    """True when every tensor has one dtype the model kernels handle (a packed pool is not a tensor they read)."""
+    return (all(isinstance(t, torch.Tensor) for t in tensors) and tensors[0].dtype in MODEL_DTYPES
+            and all(t.dtype == tensors[0].dtype for t in tensors))
 
 
 def _readable(weight: QuantizedWeight, dims: int) -> bool:
@@ -112,7 +114,7 @@ class CUDAKernels(Kernels):
         """Scatters value rows into pool rows, ``-1`` slots skipped, without a host sync (see ``Kernels.cache_write``)."""
         if slots.numel() == 0:
             return
-        if not pool.is_contiguous():
+        if isinstance(pool, PackedPool) or not pool.is_contiguous():
             return super().cache_write(pool, slots, values)
         check_device("cache_write", pool, slots, values)
         from .triton_cache import cache_write

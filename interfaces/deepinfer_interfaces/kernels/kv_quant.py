@@ -30,11 +30,14 @@ class KVQuantOps:
         """``[n, fmt.record_bytes]`` uint8 records of ``values`` ``[n, fmt.dim]``.
 
         Per block of ``fmt.block`` leading channels one scale (the block's
-        ``max|x|``, floored at ``AMAX_FLOOR``, over the code's largest value:
+        ``max|x|``, floored at ``fmt.amax_floor``, over the code's largest value:
         rounded up to a power of two for ``ue8m0``, to the nearest e4m3 for
         ``e4m3``), and each channel's code rounded to the nearest value, ties
         to even, saturated; the trailing ``fmt.rope`` channels as bf16. Bytes
-        are exact: a backend's records equal these bit for bit.
+        are exact: a backend's records equal these bit for bit, except inside
+        a block whose scale is NaN (a block holding NaN or ±inf), where any
+        codes and any NaN encoding of the scale decode alike, and a NaN rotary
+        channel, which may be any bf16 NaN.
         """
         return pack_rows(values, fmt)
 

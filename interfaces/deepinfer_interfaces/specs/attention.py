@@ -1,11 +1,14 @@
 """Sparse-attention cases: gathered windows, -1 padding, windows longer than the
 sequence, fully masked rows (sink only), dominant sinks, no candidates, repeated rows,
 one token, one head, V4-Flash's shapes (64 heads of 512, a window of 128 plus 512
-indexer picks) and a long index list; empty batch. A relative-RMS limit catches
-sums kept in 16 bits over the long lists."""
+indexer picks) and a long index list; empty batch; packed pools (V4's FP8 rows with bf16
+rotary channels, V4.1's FP4 entries and FP8 window rows in one pool, narrow rows). A
+relative-RMS limit catches sums kept in 16 bits over the long lists."""
 
 import torch
 
+from ..kv_format import KVFormat
+from .kv_formats import SMALL_ENTRY, SMALL_KV, SMALL_WINDOW, V4_KV, V41_ENTRY, V41_WINDOW, packed_pool
 from .shapes import HEAD_DIM, HEADS, INDEX_TOPK, WINDOW
 from .spec import RMS_LIMITS, Case, OpSpec, randn, register, seeded
 
@@ -36,6 +39,27 @@ def _cases() -> list[Case]:
         Case("padding_before_valid_rows", dict(q=randn(2, 2, d, gen=g), kv=randn(6, d, gen=g), indices=torch.tensor([[-1, -1, 3, 5], [-1, 2, -1, 0]]), sinks=randn(2, gen=g), scale=scale)),
         Case("one_token_one_head", dict(q=randn(1, 1, d, gen=g), kv=randn(5, d, gen=g), indices=torch.tensor([[4, 3, 2, -1]]), sinks=randn(1, gen=g), scale=scale)),
         *_real_cases(g),
+        *_packed_cases(g),
+    ]
+
+
+def _packed(g: torch.Generator, tokens: int, heads: int, parts: list[tuple[int, KVFormat]], picks: int) -> dict:
+    """Attention over a packed pool of ``parts`` regions: each token's rows drawn from every region, a third -1."""
+    kv = packed_pool(g, parts)
+    d = kv.dim
+    idx = torch.randint(0, kv.shape[0], (tokens, picks), generator=g)
+    idx[torch.rand(tokens, picks, generator=g) < 0.3] = -1
+    return dict(q=randn(tokens, heads, d, gen=g), kv=kv, indices=idx, sinks=randn(heads, gen=g), scale=d**-0.5)
+
+
+def _packed_cases(g: torch.Generator) -> list[Case]:
+    v41 = [(64, V41_ENTRY), (128, V41_WINDOW)]
+    return [
+        Case("packed_v4_kv_d512_t2_h8", _packed(g, 2, 8, [(160, V4_KV)], 96)),
+        Case("packed_v41_d512_entries_and_window_t2_h8", _packed(g, 2, 8, v41, 96)),
+        Case("one_token_packed_v41_d512_h16", _packed(g, 1, 16, v41, 160)),
+        Case("packed_small_two_regions_t5_h4", _packed(g, 5, 4, [(20, SMALL_ENTRY), (12, SMALL_WINDOW)], 9)),
+        Case("packed_small_kv_rope_t3_h2", _packed(g, 3, 2, [(16, SMALL_KV)], 7)),
     ]
 
 

@@ -3,10 +3,13 @@ padding, k beyond the candidates and invalid picks; candidate blocks (V4.1's two
 top-k) with ties, the pinned newest block, a partial last block, nothing visible, rows
 of -inf, every block kept, and a real-shape row; empty batches. Every op has one-token
 cases and V4-Flash's sizes (64 indexer heads of 128, 512 picks); scores get a long
-candidate list and a relative-RMS limit, top-k equal scores (their column order is the rule)."""
+candidate list and a relative-RMS limit, top-k equal scores (their column order is the rule); scores also
+read keys from packed pools (V4's and V4.1's FP4 records, narrow rows)."""
 
 import torch
 
+from ..kv_format import KVFormat
+from .kv_formats import SMALL_INDEX, V4_INDEX, V41_INDEX, packed_pool
 from .shapes import INDEX_HEAD_DIM, INDEX_HEADS, INDEX_TOPK
 from .spec import RMS_LIMITS, Case, OpSpec, randn, register, seeded
 
@@ -38,7 +41,18 @@ def _score_cases() -> list[Case]:
         Case("empty_batch", dict(q=torch.empty(0, 2, 8), weights=torch.empty(0, 2), keys=randn(3, 8, gen=g), indices=torch.empty(0, 4, dtype=torch.int64), scale=1.0)),
         Case("one_token_h64_d128", _real_scores(g, 1, 700, 600)),
         Case("t2_h64_d128_long_list_4096", _real_scores(g, 2, 5000, 4096)),
+        Case("packed_v4_index_keys_t2_h64_d128", _packed_scores(g, 2, INDEX_HEADS, 300, 200, V4_INDEX)),
+        Case("one_token_packed_v41_index_keys_h8_d128", _packed_scores(g, 1, 8, 100, 64, V41_INDEX)),
+        Case("packed_small_index_keys_t6_h4_d16", _packed_scores(g, 6, 4, 12, 9, SMALL_INDEX)),
     ]
+
+
+def _packed_scores(g: torch.Generator, t: int, heads: int, pool: int, k: int, fmt: KVFormat) -> dict:
+    """Scores of ``k`` candidates (a quarter -1) among ``pool`` keys stored as ``fmt`` records."""
+    idx = torch.randint(0, pool, (t, k), generator=g)
+    idx[torch.rand(t, k, generator=g) < 0.25] = -1
+    return dict(q=randn(t, heads, fmt.dim, gen=g), weights=randn(t, heads, gen=g, scale=heads**-0.5),
+                keys=packed_pool(g, [(pool, fmt)]), indices=idx, scale=fmt.dim**-0.5)
 
 
 def _distinct_scores(g: torch.Generator, t: int, k: int) -> torch.Tensor:

@@ -2,12 +2,15 @@
 ``indexer_block_topk``, ``entry_attention``): -1 table rows, nothing visible, k beyond the candidates, more sequences
 than share their keys, integer inputs whose equal scores test the tie rule, one-token decodes
 at V4-Flash's sizes, and long contexts (32,768 CSA entries and 8,192 HCA entries: a
-million tokens at ratios 4 and 128, far more entries than one tile holds); empty batches."""
+million tokens at ratios 4 and 128, far more entries than one tile holds); empty batches; keys and K=V rows
+in packed pools (V4's one FP8 region, V4.1's FP4 entries before its FP8 window rows, FP4 indexer keys)."""
 
 from __future__ import annotations
 
 import torch
 
+from ..kv_format import KVFormat
+from .kv_formats import SMALL_ENTRY, SMALL_INDEX, SMALL_WINDOW, V4_INDEX, V4_KV, V41_ENTRY, V41_INDEX, V41_WINDOW, packed_pool, pool_rows
 from .shapes import HEAD_DIM, HEADS, INDEX_HEAD_DIM, INDEX_HEADS, INDEX_TOPK, WINDOW
 from .spec import RMS_LIMITS, Case, OpSpec, randn, register, seeded
 
@@ -28,6 +31,11 @@ def _topk_args(g, tokens: int, heads: int, dim: int, seqs: int, entries: int, k:
                 table=_tables(g, seqs, entries, pool, holes), token_seq=seq, visible=vis, scale=dim**-0.5, k=k)
 
 
+def _packed_keys(g: torch.Generator, args: dict, fmt: KVFormat) -> dict:
+    """``args`` with its keys replaced by as many random keys stored as ``fmt`` records."""
+    return {**args, "keys": packed_pool(g, [(args["keys"].shape[0], fmt)])}
+
+
 def _integer(g: torch.Generator, *shape: int, low: int = -1, high: int = 2) -> torch.Tensor:
     return torch.randint(low, high, shape, generator=g).float()
 
@@ -46,6 +54,9 @@ def _topk_cases() -> list[Case]:
         Case("no_entries", dict(_topk_args(g, 3, 2, 8, 1, 4, 2), table=torch.empty(1, 0, dtype=torch.int64), visible=torch.zeros(3, dtype=torch.int64))),
         Case("empty_batch", dict(q=torch.empty(0, 2, 8), weights=torch.empty(0, 2), keys=randn(5, 8, gen=g), table=torch.zeros(1, 4, dtype=torch.int64),
                                  token_seq=torch.empty(0, dtype=torch.int64), visible=torch.empty(0, dtype=torch.int64), scale=1.0, k=2)),
+        Case("packed_v4_index_keys_t4_b2_h8_d128", _packed_keys(g, _topk_args(g, 4, 8, INDEX_HEAD_DIM, 2, 60, 16, holes=3), V4_INDEX)),
+        Case("one_token_packed_v41_index_keys_h8_d128", _packed_keys(g, _topk_args(g, 1, 8, INDEX_HEAD_DIM, 1, 100, 32, visible=[90]), V41_INDEX)),
+        Case("packed_small_index_keys_t6_b2_d16", _packed_keys(g, _topk_args(g, 6, 2, 16, 2, 30, 6), SMALL_INDEX)),
     ]
 
 
@@ -59,7 +70,7 @@ def _picked_scores(kwargs: dict, picks: torch.Tensor) -> tuple[torch.Tensor, ...
     from ..kernels import Kernels
 
     f64 = lambda name: kwargs[name].detach().to("cpu", torch.float64)  # noqa: E731
-    q, weights, keys = f64("q"), f64("weights"), f64("keys")
+    q, weights, keys = f64("q"), f64("weights"), pool_rows(kwargs["keys"])
     table, seq, visible = (kwargs[n].detach().cpu() for n in ("table", "token_seq", "visible"))
     picks = picks.detach().cpu()
     seen = (picks >= 0) & (picks < visible[:, None]) & (picks < table.shape[1])
@@ -87,6 +98,9 @@ def _block_cases() -> list[Case]:
         Case("one_token_v41_h64_d128_block8_top64", blocks(_topk_args(g, 1, INDEX_HEADS, INDEX_HEAD_DIM, 1, 700, 0, visible=[690]), 64, 8)),
         Case("t2_long_context_32768_entries_block8_top256", blocks(_topk_args(g, 2, 4, 16, 1, 32768, 0, visible=[32768, 20001]), 256, 8)),
         Case("no_entries", blocks(dict(_topk_args(g, 3, 2, 8, 1, 4, 0), table=torch.empty(1, 0, dtype=torch.int64), visible=torch.zeros(3, dtype=torch.int64)), 2, 4)),
+        Case("packed_v41_index_keys_t4_b2_h8_d128_block8", blocks(_packed_keys(g, _topk_args(g, 4, 8, INDEX_HEAD_DIM, 2, 60, 0, holes=5), V41_INDEX), 3, 8)),
+        Case("one_token_packed_v4_index_keys_h8_d128_block4", blocks(_packed_keys(g, _topk_args(g, 1, 8, INDEX_HEAD_DIM, 1, 90, 0, visible=[77]), V4_INDEX), 4, 4)),
+        Case("packed_small_index_keys_t6_b2_d16_block4", blocks(_packed_keys(g, _topk_args(g, 6, 2, 16, 2, 30, 0), SMALL_INDEX), 3, 4)),
     ]
 
 
@@ -97,7 +111,7 @@ def _picked_blocks(kwargs: dict, picks: torch.Tensor) -> tuple[torch.Tensor, ...
     from ..kernels import Kernels
 
     f64 = lambda name: kwargs[name].detach().to("cpu", torch.float64)  # noqa: E731
-    q, weights, keys = f64("q"), f64("weights"), f64("keys")
+    q, weights, keys = f64("q"), f64("weights"), pool_rows(kwargs["keys"])
     table, seq, visible = (kwargs[n].detach().cpu() for n in ("table", "token_seq", "visible"))
     picks, size = picks.detach().cpu(), int(kwargs["block_size"])
     n = table.shape[1]
@@ -130,6 +144,16 @@ def _attention_args(g, tokens: int, heads: int, dim: int, seqs: int, entries: in
                 token_seq=seq, visible=vis, sinks=randn(heads, gen=g), scale=dim**-0.5)
 
 
+def _packed_attention(g: torch.Generator, args: dict, entry: KVFormat, window: KVFormat) -> dict:
+    """``args`` with its K=V pool replaced by random rows in a packed pool: the rows its table names (the pool's first
+    ``max(table) + 1``) as ``entry`` records, the window rows after them as ``window`` records (one region when the
+    formats are one)."""
+    rows = args["kv"].shape[0]
+    entries = int(args["table"].max()) + 1
+    parts = [(rows, entry)] if entry == window else [(entries, entry), (rows - entries, window)]
+    return {**args, "kv": packed_pool(g, parts)}
+
+
 def _attention_cases() -> list[Case]:
     g = seeded(22)
     sink_only = _attention_args(g, 3, 2, 16, 1, 6, 4, visible=[0, 0, 0])
@@ -143,6 +167,13 @@ def _attention_cases() -> list[Case]:
         Case("t2_long_context_8192_entries", _attention_args(g, 2, 4, 64, 1, 8192, 16, visible=[8192, 5000])),
         Case("empty_batch", dict(q=torch.empty(0, 2, 16), kv=randn(6, 16, gen=g), indices=torch.empty(0, 3, dtype=torch.int64), table=torch.zeros(1, 2, dtype=torch.int64),
                                  token_seq=torch.empty(0, dtype=torch.int64), visible=torch.empty(0, dtype=torch.int64), sinks=randn(2, gen=g), scale=0.25)),
+        Case("packed_v4_kv_d512_t2_h8", _packed_attention(g, _attention_args(g, 2, 8, HEAD_DIM, 1, 64, 32, visible=[64, 40]), V4_KV, V4_KV)),
+        Case("packed_v41_d512_entries_and_window_t2_h8",
+             _packed_attention(g, _attention_args(g, 2, 8, HEAD_DIM, 1, 64, 32, visible=[64, 23]), V41_ENTRY, V41_WINDOW)),
+        Case("one_token_packed_v41_d512_h16",
+             _packed_attention(g, _attention_args(g, 1, 16, HEAD_DIM, 1, 96, 32, visible=[90]), V41_ENTRY, V41_WINDOW)),
+        Case("packed_small_two_regions_t7_b2",
+             _packed_attention(g, _attention_args(g, 7, 4, 32, 2, 20, 8, visible=[0, 20, 3, 19, 20, 11, 1], holes=4), SMALL_ENTRY, SMALL_WINDOW)),
     ]
 
 
