@@ -16,16 +16,14 @@ little endian). Quantizing a block ``x`` of ``block`` channels (in fp32)::
     ue8m0: s = 2^ceil(log2(amax / Q))    e4m3: s = e4m3(amax / Q) (nearest even)    fp32: s = amax / Q
     code  = round_to_nearest_even(clamp(x / s, ±Q)) in the code's format
 
-A block holding NaN or ±inf gets a NaN scale and decodes to NaN throughout (as
-an unrounded cache would carry it on).
-
 with ``Q`` the code's largest value (448 for e4m3, 6 for e2m1) and ``floor`` the
 format's: DeepSeek's FP8 rounding floors at 1e-4, its FP4 rounding at the
 smallest amax whose scale the scale format can hold (``6·2^-126`` for ue8m0,
-``6·2^-9`` for e4m3, so an all-zero block keeps a nonzero scale).
+``6·2^-9`` for e4m3, so an all-zero block keeps a nonzero scale). A block
+holding NaN or ±inf gets a NaN scale and decodes to NaN throughout (as an
+unrounded cache would carry it on).
 
-with ``Q`` the code's largest value (448 for e4m3, 6 for e2m1). Decoding is
-exact: ``value = decode(code) · s``. These functions are the definition the
+Decoding is exact: ``value = decode(code) · s``. These functions are the definition the
 kernels' ``kv_pack`` / ``kv_unpack`` references call and the conformance suite
 holds every backend to.
 """
