@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from deepinfer_interfaces.kv_format import KVFormat
+
 from .launch import KiB, TilePlan, UNIFIED_BUFFERS
 
 
@@ -90,6 +92,39 @@ def v41_flash_plans(generation: str, dtype: torch.dtype = torch.bfloat16, shapes
         plan_candidate_keys(blocks, s.candidate_block_size, torch.float32, ub),
         plan_candidate_select(blocks, s.candidate_block_size, ub),
         plan_engram_inject(s.hc_mult, s.hidden, dtype, torch.float32, ub),
+    ]
+
+
+#: the packed cache records of V4-Flash (UE8M0 or fp32 scales, as the checkpoint's ``scale_fmt``) and V4.1-Flash
+#: (the engine's ``v4_formats`` / ``v41_formats`` at the releases' widths; the tests check they are equal)
+V4_KV = KVFormat("v4.kv.fp8", 512, "e4m3", 64, "ue8m0", 64)
+V4_KV_FP32 = KVFormat("v4.kv.fp8", 512, "e4m3", 64, "fp32", 64)
+V4_INDEX = KVFormat("v4.index.fp4", 128, "e2m1", 32, "ue8m0")
+V41_WINDOW = KVFormat("v41.window.fp8", 512, "e4m3", 32, "ue8m0")
+V41_ENTRY = KVFormat("v41.entry.fp4", 512, "e2m1", 16, "e4m3")
+V41_INDEX = KVFormat("v41.index.fp4", 128, "e2m1", 32, "ue8m0")
+PACKED_FORMATS = (V4_KV, V4_KV_FP32, V4_INDEX, V41_WINDOW, V41_ENTRY, V41_INDEX)
+
+
+def packed_cache_plans(generation: str, dtype: torch.dtype = torch.bfloat16, shapes: V4Shapes = V4_FLASH) -> list[TilePlan]:
+    """Every Triton-Ascend launch a packed cache adds, planned for ``generation``'s UB (imports the kernels): packing
+    and unpacking each format's rows of ``dtype``, the indexer over FP4 keys (V4's 64 heads of 128 over a
+    full-length context's entries) and attention over V4's FP8 rows (both scale kinds); V4.1's two-format KV pools
+    run the reference."""
+    from .triton_ascend_indexer import plan_indexer_scores
+    from .triton_ascend_kv_quant import plan_kv_pack, plan_kv_unpack
+    from .triton_ascend_long_context import plan_entry_attention, plan_entry_keys
+
+    ub = UNIFIED_BUFFERS[generation]
+    s = shapes
+    entries = s.max_positions // s.csa_ratio
+    return [
+        *(plan_kv_pack(fmt, dtype, ub) for fmt in PACKED_FORMATS if fmt.name != V41_INDEX.name),
+        *(plan_kv_unpack(fmt, dtype, ub) for fmt in PACKED_FORMATS if fmt.name != V41_INDEX.name),
+        plan_indexer_scores(s.index_heads, s.index_head_dim, entries, dtype, ub, packed=V4_INDEX),
+        plan_entry_keys(s.index_heads, s.index_head_dim, entries, dtype, ub, packed=V4_INDEX),
+        plan_entry_attention(s.head_dim, dtype, ub, packed=V4_KV),
+        plan_entry_attention(s.head_dim, dtype, ub, packed=V4_KV_FP32),
     ]
 
 

@@ -14,10 +14,7 @@ Where each op runs is decided at call time (see :meth:`AscendKernels.paths`):
   fused op first where it takes the inputs, the Triton-Ascend kernel otherwise
   (and after the fused op raised);
 - otherwise, and for every op named in ``DEEPINFER_ASCEND_DISABLE``, the
-  reference runs (plain torch, on whatever device the tensors are on);
-- cache pools of packed records (``PackedPool``) run the reference in every
-  mode: no fused op or kernel here reads the records, the reference decodes
-  the rows it reads.
+  reference runs (plain torch, on whatever device the tensors are on).
 
 A fused op that raises (a RuntimeError from an op the SoC or the CANN release
 does not have, a TypeError from a changed signature) never fails a generation:
@@ -33,6 +30,21 @@ The conformance runner asks for the strict view through :meth:`for_conformance`;
 the engine uses the default, non-strict set, so a model runs end to end on any
 device. Empty batches return their (empty) result without launching anything.
 torch_npu and Triton are imported only when an op needs them.
+
+Packed cache pools (``PackedPool``, the KV cache as FP8/FP4 records) never
+reach a torch_npu op: ``npu_sparse_flash_attention`` and
+``npu_lightning_indexer`` read plain fp16/bf16 rows. ``kv_pack``, ``kv_unpack``
+and the packed ``cache_write`` are Triton-Ascend kernels
+(``triton_ascend_kv_quant``, byte for byte the reference's records); the ops
+that read a pool (``sparse_attention``, ``entry_attention``, ``indexer_scores``,
+``indexer_topk``) read packed records in their Triton-Ascend kernels:
+``sparse_attention`` decodes the rows each token lists into a plain block
+(``take_rows``, any number of regions) and attends over it as over a plain pool
+(``npu_sparse_flash_attention`` where it takes it); the others decode each row
+of a one-format pool as they load it. ``entry_attention`` over a pool of several
+record formats (V4.1's FP4 entries and FP8 window in one numbering), and any
+pool decoding to another dtype, runs the reference, which decodes only the rows
+it gathers; a strict set reports it ``NotSupportedError`` instead.
 """
 
 from __future__ import annotations
@@ -44,8 +56,9 @@ from typing import Any, Callable, ClassVar, TypeVar
 import torch
 
 from deepinfer_interfaces import Kernels, NotSupportedError, PackedPool, QuantizedWeight
+from deepinfer_interfaces.kv_format import KVFormat
 
-from .launch import KERNEL_DTYPES, is_disabled, on_npu, triton_can_run
+from .launch import KERNEL_DTYPES, is_disabled, on_npu, packed_pool_reason, triton_can_run
 from .npu import load_torch_npu
 
 R = TypeVar("R")
@@ -53,6 +66,10 @@ R = TypeVar("R")
 log = logging.getLogger("deepinfer.ascend")
 
 TRITON = "triton-ascend"
+
+#: the most bytes of decoded rows ``sparse_attention`` over a packed pool gathers at once (a chunk of tokens' listed
+#: rows, ``T × K × D`` in the pool dtype); a longer step walks its tokens in chunks
+GATHER_BYTES = 256 << 20
 
 #: the reference itself, for ops whose reference is composed of other ops (``mhc_pre`` is ``mhc_mix`` then
 #: ``mhc_collapse``, ``mhc_head`` ends in ``mhc_collapse``): through ``super()`` it would call this set's overrides
@@ -86,6 +103,9 @@ class AscendKernels(Kernels):
         "engram_inject": TRITON,
         "indexer_topk": f"{TRITON} (950/A3/A2: torch_npu:npu_lightning_indexer)",
         "entry_attention": f"{TRITON} (950: torch_npu:npu_sparse_flash_attention)",
+        "cache_write": f"{TRITON} (packed pools)",
+        "kv_pack": TRITON,
+        "kv_unpack": TRITON,
     }
 
     def __init__(self, strict: bool = False, torch_npu: Any = None) -> None:
@@ -170,6 +190,20 @@ class AscendKernels(Kernels):
             f"({reason or 'the tensors are on ' + device}; CPU tensors run it under --interpret)"
         )
 
+    def _packed(
+        self, op: str, pool: PackedPool, tensors: tuple[torch.Tensor, ...], kernel: Callable[[], R] | None,
+        reference: Callable[[], R], one_format: bool = True,
+    ) -> R:
+        """``op`` over a packed pool: its Triton-Ascend ``kernel`` where it reads the pool (as ``_triton``
+        decides; ``one_format``: a kernel that reads pools of one record format), else the reference, which
+        decodes only the rows it gathers; a strict set raises ``NotSupportedError`` instead of running the reference."""
+        reason = "no Triton-Ascend kernel of it reads packed records" if kernel is None else packed_pool_reason(pool, one_format)
+        if reason is None:
+            return self._triton(op, (*tensors, *pool.tensors()), kernel, reference)
+        if self.strict and not is_disabled(op):
+            raise NotSupportedError(f"{op} over this packed pool runs the reference on Ascend: {reason}")
+        return reference()
+
     def _fused_module(self, tensors: tuple[torch.Tensor, ...]) -> Any | None:
         """The module a fused op would run from for ``tensors`` (as ``_fused`` decides), None where none can run.
 
@@ -240,13 +274,35 @@ class AscendKernels(Kernels):
     def sparse_attention(
         self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """``npu_sparse_flash_attention`` with sinks on Ascend 950 (see ``npu_v4_ops.sparse_attention``)."""
+        """``npu_sparse_flash_attention`` with sinks on Ascend 950 (see ``npu_v4_ops.sparse_attention``). A packed
+        pool (any regions): the rows each token lists decoded by a Triton-Ascend kernel
+        (``triton_ascend_kv_quant.take_rows``) into a plain ``[T·K, D]`` block, at most ``GATHER_BYTES`` a chunk of
+        tokens, which this op then attends over as a plain pool (the fused op where it takes it)."""
         reference = lambda: super(AscendKernels, self).sparse_attention(q, kv, indices, sinks, scale)  # noqa: E731
-        if q.shape[0] == 0 or indices.shape[1] == 0 or kv.shape[0] == 0 or isinstance(kv, PackedPool):
+        if q.shape[0] == 0 or indices.shape[1] == 0 or kv.shape[0] == 0:
             return reference()
+        if isinstance(kv, PackedPool):
+            gathered = lambda: self._gathered_attention(q, kv, indices, sinks, scale)  # noqa: E731
+            return self._packed("sparse_attention", kv, (q, indices), gathered, reference, one_format=False)
         from . import npu_v4_ops
 
         return self._fused("sparse_attention", (q, kv), lambda tn: npu_v4_ops.sparse_attention(tn, q, kv, indices, sinks, scale), reference)
+
+    def _gathered_attention(self, q: torch.Tensor, kv: PackedPool, indices: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        """``sparse_attention`` over a packed pool as over plain rows: per chunk of tokens, the listed rows decoded
+        (``-1`` stays ``-1``), then this op's plain path."""
+        from .triton_ascend_kv_quant import take_rows
+
+        t, k = indices.shape
+        row_bytes = k * kv.dim * torch.empty((), dtype=kv.dtype).element_size()
+        chunk = max(1, min(t, GATHER_BYTES // row_bytes))
+        outs = []
+        for t0 in range(0, t, chunk):
+            idx = indices[t0 : t0 + chunk]
+            local = torch.arange(idx.numel(), device=idx.device).view(idx.shape)
+            rows = take_rows(kv, idx).view(-1, kv.dim)
+            outs.append(self.sparse_attention(q[t0 : t0 + chunk], rows, torch.where(idx >= 0, local, -1), sinks, scale))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
         """``npu_clipped_swiglu`` on A2/A3 (``npu_swiglu`` without a limit or on Ascend 950; see ``npu_ops.swiglu_packed``)."""
@@ -315,10 +371,14 @@ class AscendKernels(Kernels):
         indices: torch.Tensor,
         prev_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Gated softmax pooling over each window (see ``triton_ascend_compressor``)."""
+        """Gated softmax pooling over each window (see ``triton_ascend_compressor``); its state buffers are plain
+        tensors (a packed one runs the reference)."""
         reference = lambda: super(AscendKernels, self).compress_kv(kv, gate, position_bias, indices, prev_indices)  # noqa: E731
-        if indices.shape[0] == 0 or indices.shape[1] == 0 or kv.shape[0] == 0 or isinstance(kv, PackedPool):
+        if indices.shape[0] == 0 or indices.shape[1] == 0 or kv.shape[0] == 0:
             return reference()
+        for pool in (kv, gate):
+            if isinstance(pool, PackedPool):
+                return self._packed("compress_kv", pool, (position_bias,), None, reference)
 
         def kernel() -> torch.Tensor:
             from .triton_ascend_compressor import compress_kv
@@ -333,13 +393,16 @@ class AscendKernels(Kernels):
         """Relu-weighted multi-head scores over gathered keys: ``npu_lightning_indexer`` on Ascend 950 where it
         takes them (see ``npu_v4_ops.indexer_scores``), else the Triton-Ascend kernel (``triton_ascend_indexer``)."""
         reference = lambda: super(AscendKernels, self).indexer_scores(q, weights, keys, indices, scale)  # noqa: E731
-        if q.shape[0] == 0 or indices.shape[1] == 0 or isinstance(keys, PackedPool):
+        if q.shape[0] == 0 or indices.shape[1] == 0:
             return reference()
 
         def kernel() -> torch.Tensor:
             from .triton_ascend_indexer import indexer_scores
 
             return indexer_scores(q, weights, keys, indices, scale)
+
+        if isinstance(keys, PackedPool):  # the kernel decodes the keys it gathers; the fused op takes plain rows
+            return self._packed("indexer_scores", keys, (q, weights), kernel, reference)
 
         triton = lambda: self._triton("indexer_scores", (q, weights, keys), kernel, reference)  # noqa: E731
         from . import npu_v4_ops
@@ -512,13 +575,16 @@ class AscendKernels(Kernels):
         rows) where it takes them (see ``npu_v4_ops.indexer_topk``), else the Triton-Ascend kernels scoring entry
         blocks into a bounded scratch and selecting by rank (``triton_ascend_long_context``)."""
         reference = lambda: super(AscendKernels, self).indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)  # noqa: E731
-        if q.shape[0] == 0 or k <= 0 or table.shape[1] == 0 or keys.shape[0] == 0 or isinstance(keys, PackedPool):
+        if q.shape[0] == 0 or k <= 0 or table.shape[1] == 0 or keys.shape[0] == 0:
             return reference()
 
         def kernel() -> torch.Tensor:
             from .triton_ascend_long_context import indexer_topk
 
             return indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)
+
+        if isinstance(keys, PackedPool):  # the kernel decodes the keys it gathers; the fused op takes plain rows
+            return self._packed("indexer_topk", keys, (q, weights), kernel, reference)
 
         triton = lambda: self._triton("indexer_topk", (q, weights, keys), kernel, reference)  # noqa: E731
         from . import npu_v4_ops
@@ -546,13 +612,16 @@ class AscendKernels(Kernels):
         takes them (see ``npu_v4_ops.entry_attention``), else the Triton-Ascend kernel's running softmax per
         (token, head) (``triton_ascend_long_context``)."""
         reference = lambda: super(AscendKernels, self).entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale)  # noqa: E731
-        if q.shape[0] == 0 or kv.shape[0] == 0 or isinstance(kv, PackedPool):
+        if q.shape[0] == 0 or kv.shape[0] == 0:
             return reference()
 
         def kernel() -> torch.Tensor:
             from .triton_ascend_long_context import entry_attention
 
             return entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale)
+
+        if isinstance(kv, PackedPool):  # the kernel decodes the rows it reads; the fused op takes plain rows
+            return self._packed("entry_attention", kv, (q,), kernel, reference)
 
         triton = lambda: self._triton("entry_attention", (q, kv), kernel, reference)  # noqa: E731
         from . import npu_v4_ops
@@ -564,3 +633,51 @@ class AscendKernels(Kernels):
             "entry_attention", (q, kv),
             lambda tn: npu_v4_ops.entry_attention(tn, q, kv, indices, table, token_seq, visible, sinks, scale), triton,
         )
+
+    # -- packed cache records --------------------------------------------------
+
+    def cache_write(self, pool: torch.Tensor | PackedPool, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """A plain pool: the reference's scatter (plain torch, on whatever device the pool is). A ``PackedPool``:
+        each region's rows packed straight into their slots by ``kv_pack``'s Triton-Ascend kernel
+        (``triton_ascend_kv_quant.pack_into``), no records in between."""
+        if not isinstance(pool, PackedPool):
+            return super().cache_write(pool, slots, values)
+        reference = lambda: _REFERENCE.cache_write(pool, slots, values)  # noqa: E731
+        if slots.numel() == 0 or pool.shape[0] == 0:
+            return reference()
+
+        def kernel() -> None:
+            from .triton_ascend_kv_quant import pack_into
+
+            for region in pool.regions:
+                pack_into(region.data, slots, region.start, values, region.format)
+
+        return self._triton("cache_write", (values, slots, *pool.tensors()), kernel, reference)
+
+    def kv_pack(self, values: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+        """Rows to packed records, byte for byte the reference's (``triton_ascend_kv_quant``); no torch_npu
+        quantize op computes DeepSeek's scales and codes exactly (see that module)."""
+        reference = lambda: super(AscendKernels, self).kv_pack(values, fmt)  # noqa: E731
+        if values.shape[0] == 0:
+            return reference()
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_kv_quant import kv_pack
+
+            return kv_pack(values, fmt)
+
+        return self._triton("kv_pack", (values,), kernel, reference)
+
+    def kv_unpack(self, records: torch.Tensor, fmt: KVFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Packed records to rows in ``dtype`` (``triton_ascend_kv_quant``); other dtypes than fp32/fp16/bf16 run
+        the reference."""
+        reference = lambda: super(AscendKernels, self).kv_unpack(records, fmt, dtype)  # noqa: E731
+        if records.numel() == 0 or dtype not in KERNEL_DTYPES:
+            return reference()
+
+        def kernel() -> torch.Tensor:
+            from .triton_ascend_kv_quant import kv_unpack
+
+            return kv_unpack(records, fmt, dtype)
+
+        return self._triton("kv_unpack", (records,), kernel, reference)

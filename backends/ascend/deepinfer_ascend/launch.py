@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from deepinfer_interfaces import NotSupportedError
+from deepinfer_interfaces import NotSupportedError, PackedPool
 
 #: dtypes the Triton-Ascend kernels load and store (others run the reference)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,6 +67,18 @@ def triton_can_run(*tensors: torch.Tensor) -> bool:
     except Exception:
         return False
     return backend not in ("cuda", "hip")  # a GPU build of Triton cannot launch on an NPU; Triton-Ascend can
+
+
+def packed_pool_reason(pool: PackedPool, one_format: bool = True) -> str | None:
+    """Why the Triton-Ascend kernels cannot read the packed ``pool``, or None: they decode to fp32/fp16/bf16, and
+    (``one_format``: the kernels that decode rows as they load them, ``triton_ascend_kv_quant._load_rows``) read
+    pools of one record format."""
+    if one_format and len(pool.regions) != 1:
+        names = ", ".join(r.format.name for r in pool.regions)
+        return f"the pool holds {len(pool.regions)} record regions ({names}); the Triton-Ascend kernels read pools of one format"
+    if pool.dtype not in KERNEL_DTYPES:
+        return f"the pool's rows decode to {pool.dtype}, not fp32/fp16/bf16"
+    return None
 
 
 def program_count(device: torch.device) -> int:

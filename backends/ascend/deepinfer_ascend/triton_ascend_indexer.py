@@ -15,7 +15,10 @@ tile, ``D`` padded with zeros to at least ``REDUCE_MIN`` (16) lanes
 ``[H, K, D]`` broadcast product is gone: at V4's 64 × 128 index heads it alone
 took more than the 192 KiB unified buffer of an A2/A3 vector core, and 3-D
 tile reductions are where triton-ascend#2291 miscompiles on 910B.
-``BLOCK_K`` comes from the UB budget (``plan_indexer_scores``).
+``BLOCK_K`` comes from the UB budget (``plan_indexer_scores``). A packed pool's
+keys tile is decoded as it is loaded (``triton_ascend_kv_quant._load_rows``:
+each channel's code byte and block scale gathered from the record), the rest of
+the kernel unchanged.
 
 V4.1's candidate blocks (``candidate_blocks``, the first level of its
 two-level top-k) are two kernels, static shapes and no host sync, under the
@@ -43,10 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_interfaces import PackedPool
+from deepinfer_interfaces.kv_format import KVFormat
+
 from .launch import (
     REDUCE_MIN, Tile, TilePlan, UnifiedBuffer, block, fit_blocks, interpreting, next_power_of_2, program_count, require_fit,
     unified_buffer,
 )
+from .triton_ascend_kv_quant import _load_rows, format_label, packed_read_tiles, row_source
 from .triton_ascend_mhc import _total, interpreter_block
 
 #: most candidates per tile (more buys nothing once every vector core has several tiles)
@@ -65,6 +72,8 @@ def _indexer_scores_kernel(
     T, H, D, K,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot,
     scale,
+    PACKED: tl.constexpr, FP4: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+    ROPE_OFF: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE: tl.constexpr, ROUND: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -78,10 +87,10 @@ def _indexer_scores_kernel(
         idx = tl.load(idx_ptr + t * stride_it + offs_k, mask=k_ok, other=-1)
         valid = k_ok & (idx >= 0)
         rows = tl.where(valid, idx, 0).to(tl.int64)
-        keys = tl.load(
-            keys_ptr + rows[:, None] * stride_kn + offs_d[None, :],
-            mask=valid[:, None] & d_ok[None, :], other=0.0,
-        ).to(tl.float32)
+        keys = _load_rows(
+            keys_ptr, rows, valid, offs_d, d_ok, stride_kn,
+            PACKED, FP4, SCALE, BLOCK, QUANT, ROPE_OFF, SCALE_OFF, ROPE, ROUND,
+        )
         q_row = q_ptr + t * stride_qt
         w_row = w_ptr + t * stride_wt
         score = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -94,8 +103,11 @@ def _indexer_scores_kernel(
         tl.store(out_ptr + t * stride_ot + offs_k, score, mask=k_ok)
 
 
-def plan_indexer_scores(h: int, d: int, k: int, dtype: torch.dtype, ub: UnifiedBuffer, *, interpret: bool = False) -> TilePlan:
-    """Blocks of ``_indexer_scores_kernel`` for ``h`` heads of width ``d`` over ``k`` candidates within ``ub``.
+def plan_indexer_scores(
+    h: int, d: int, k: int, dtype: torch.dtype, ub: UnifiedBuffer, *, interpret: bool = False, packed: KVFormat | None = None,
+) -> TilePlan:
+    """Blocks of ``_indexer_scores_kernel`` for ``h`` heads of width ``d`` over ``k`` candidates within ``ub``
+    (keys read from ``packed`` records where given).
 
     ``BLOCK_D`` covers the whole head dim (padded to at least 16: it is the
     reduced axis, and the keys tile is reused by every head); ``BLOCK_K``
@@ -112,30 +124,34 @@ def plan_indexer_scores(h: int, d: int, k: int, dtype: torch.dtype, ub: UnifiedB
             Tile("keys offsets", (bk, bd), 8), Tile("keys mask", (bk, bd), 1),
             Tile("q_h", (bd,), xs, loaded=True), Tile("q_h fp32", (bd,), 4),
             Tile("keys·q_h", (bk, bd), 4), Tile("dots", (bk,), 4), Tile("relu·w", (bk,), 4), Tile("score", (bk,), 4),
-        )
+        ) + packed_read_tiles(bk, bd, packed)
 
     start = {"BLOCK_K": block(k, 4 if interpret else BLOCK_K_CAP), "BLOCK_D": bd}
-    shape = f"H={h}, D={d}, {str(dtype).removeprefix('torch.')}"
+    shape = f"H={h}, D={d}, {str(dtype).removeprefix('torch.')}{'' if packed is None else ', ' + format_label(packed)}"
     return fit_blocks("indexer_scores", shape, ub, start, {"BLOCK_D": bd}, tiles)
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
-    """``Kernels.indexer_scores`` for fp32/fp16/bf16 inputs with at least one token and candidate."""
+def indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor | PackedPool, indices: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """``Kernels.indexer_scores`` for fp32/fp16/bf16 inputs with at least one token and candidate; ``keys`` a
+    plain pool or a one-region packed one."""
     t, h, d = q.shape
     k = indices.shape[1]
+    src = row_source(keys)
     wider = max(q.dtype, keys.dtype, key=lambda dt: torch.empty((), dtype=dt).element_size())
-    plan = require_fit(plan_indexer_scores(h, d, k, wider, unified_buffer(q.device), interpret=interpreting()))
+    plan = require_fit(plan_indexer_scores(h, d, k, wider, unified_buffer(q.device), interpret=interpreting(), packed=src.format))
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
-    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     indices = indices if indices.stride(-1) == 1 else indices.contiguous()
     out = torch.empty(t, k, dtype=torch.float32, device=q.device)
     programs = program_count(q.device)
     _indexer_scores_kernel[(programs,)](
-        q, weights, keys, indices, out,
+        q, weights, src.data, indices, out,
         t, h, d, k,
-        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), indices.stride(0), out.stride(0),
+        q.stride(0), q.stride(1), weights.stride(0), src.stride, indices.stride(0), out.stride(0),
         float(scale),
+        **src.layout,
         NUM_PROGRAMS=programs,
         **plan.blocks,
     )

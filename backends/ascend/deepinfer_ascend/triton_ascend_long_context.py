@@ -35,6 +35,11 @@ of ``BLOCK_N`` rows (the entry loop stops at the token's own ``visible``). Each 
 reduction of its ``[BLOCK_N, D]`` rows tile; the weighted rows reduce its leading axis (a 2-D tile whose inner
 extent is ``D >= 16``; triton-ascend#2291 concerns 3-D tiles, #2247 inner extents below 8). Rows are read once
 per head: the price of keeping one head's accumulator, not ``H × D``, in UB.
+
+Both kernels read a one-region packed pool (``PackedPool``) as well as a plain one: each rows tile is decoded as it is
+loaded (``triton_ascend_kv_quant._load_rows``: every channel's code and block scale gathered from its record,
+rope channels from their bf16 bytes, then rounded to the pool dtype as ``PackedPool.take`` rounds them), so a
+packed pool costs no decoded copy and the rest of each kernel is unchanged.
 """
 
 from __future__ import annotations
@@ -43,11 +48,15 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_interfaces import PackedPool
+from deepinfer_interfaces.kv_format import KVFormat
+
 from .launch import (
     REDUCE_MIN, Tile, TilePlan, UnifiedBuffer, block, fit_blocks, interpreting, next_power_of_2, program_count, require_fit,
     unified_buffer,
 )
 from .triton_ascend_indexer import NONE_KEY, PINNED_KEY, _count_keys
+from .triton_ascend_kv_quant import _load_rows, format_label, packed_read_tiles, row_source
 from .triton_ascend_mhc import _total, interpreter_block
 
 #: most entries per scoring tile, per counting step, per compaction step; most kept entries ranked at once
@@ -75,6 +84,8 @@ def _entry_keys_kernel(
     T0, TT, H, D, N,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_tb, stride_ot,
     scale,
+    PACKED: tl.constexpr, FP4: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+    ROPE_OFF: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE: tl.constexpr, ROUND: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -91,9 +102,10 @@ def _entry_keys_kernel(
         row = tl.load(table_ptr + seq * stride_tb + offs_n, mask=n_ok & (offs_n < vis), other=-1)
         valid = row >= 0
         rows = tl.where(valid, row, 0).to(tl.int64)
-        keys = tl.load(
-            keys_ptr + rows[:, None] * stride_kn + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0,
-        ).to(tl.float32)
+        keys = _load_rows(
+            keys_ptr, rows, valid, offs_d, d_ok, stride_kn,
+            PACKED, FP4, SCALE, BLOCK, QUANT, ROPE_OFF, SCALE_OFF, ROPE, ROUND,
+        )
         q_row = q_ptr + t * stride_qt
         w_row = w_ptr + t * stride_wt
         score = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -186,9 +198,11 @@ def _rank_entries_kernel(
             tl.store(out_row + rank, ids, mask=kept & (rank < K))
 
 
-def plan_entry_keys(h: int, d: int, n: int, dtype: torch.dtype, ub: UnifiedBuffer, *, interpret: bool = False) -> TilePlan:
+def plan_entry_keys(
+    h: int, d: int, n: int, dtype: torch.dtype, ub: UnifiedBuffer, *, interpret: bool = False, packed: KVFormat | None = None,
+) -> TilePlan:
     """Blocks of ``_entry_keys_kernel``: ``BLOCK_D`` the whole head (at least 16, the reduced axis), ``BLOCK_N``
-    entries shrinking until the tiles fit."""
+    entries shrinking until the tiles fit (keys read from ``packed`` records where given)."""
     bd = max(REDUCE_MIN, next_power_of_2(d))
     xs = torch.empty((), dtype=dtype).element_size()
 
@@ -201,11 +215,11 @@ def plan_entry_keys(h: int, d: int, n: int, dtype: torch.dtype, ub: UnifiedBuffe
             Tile("q_h", (bd,), xs, loaded=True), Tile("q_h fp32", (bd,), 4),
             Tile("keys·q_h", (bn, bd), 4), Tile("dots", (bn,), 4), Tile("relu·w", (bn,), 4), Tile("score", (bn,), 4),
             Tile("key", (bn,), 4),
-        )
+        ) + packed_read_tiles(bn, bd, packed)
 
     bn = interpreter_block(n, BLOCK_N_CAP, 1) if interpret else block(n, BLOCK_N_CAP)
     start = {"BLOCK_N": bn, "BLOCK_D": bd}
-    shape = f"H={h}, D={d}, {str(dtype).removeprefix('torch.')}"
+    shape = f"H={h}, D={d}, {str(dtype).removeprefix('torch.')}{'' if packed is None else ', ' + format_label(packed)}"
     return fit_blocks("indexer_topk", shape, ub, start, {"BLOCK_D": bd}, tiles)
 
 
@@ -258,20 +272,22 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def indexer_topk(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, token_seq: torch.Tensor,
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor | PackedPool, table: torch.Tensor, token_seq: torch.Tensor,
     visible: torch.Tensor, scale: float, k: int,
 ) -> torch.Tensor:
-    """``Kernels.indexer_topk`` for fp32/fp16/bf16 inputs with at least one token, entry and pick."""
+    """``Kernels.indexer_topk`` for fp32/fp16/bf16 inputs with at least one token, entry and pick; ``keys`` a plain
+    pool or a one-region packed one."""
     t, h, d = q.shape
     n = table.shape[1]
     kk = min(int(k), n)
+    src = row_source(keys)
     wider = max(q.dtype, keys.dtype, key=lambda dt: torch.empty((), dtype=dt).element_size())
     ub = unified_buffer(q.device)
     interpret = interpreting()
-    keys_plan = require_fit(plan_entry_keys(h, d, n, wider, ub, interpret=interpret))
+    keys_plan = require_fit(plan_entry_keys(h, d, n, wider, ub, interpret=interpret, packed=src.format))
     select_plan = require_fit(plan_select_entries(n, ub, interpret=interpret))
     rank_plan = require_fit(plan_rank_entries(kk, ub, interpret=interpret))
-    q, weights, keys, table = (_rows_contiguous(x) for x in (q, weights, keys, table))
+    q, weights, table = (_rows_contiguous(x) for x in (q, weights, table))
     seq = token_seq.to(torch.int64).contiguous()
     vis = visible.to(torch.int64).contiguous()
     out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)
@@ -283,11 +299,11 @@ def indexer_topk(
     for t0 in range(0, t, chunk):
         tt = min(chunk, t - t0)
         _entry_keys_kernel[(programs,)](
-            q, weights, keys, table, seq, vis, scratch,
+            q, weights, src.data, table, seq, vis, scratch,
             t0, tt, h, d, n,
-            q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0), scratch.stride(0),
+            q.stride(0), q.stride(1), weights.stride(0), src.stride, table.stride(0), scratch.stride(0),
             float(scale),
-            NUM_PROGRAMS=programs, **keys_plan.blocks,
+            **src.layout, NUM_PROGRAMS=programs, **keys_plan.blocks,
         )
         _select_entries_kernel[(programs,)](
             scratch, ckey, cid,
@@ -308,11 +324,15 @@ def indexer_topk(
 
 
 @triton.jit
-def _absorb_rows(kv_ptr, row, q, run_max, run_sum, acc, offs_d, d_ok, stride_kv, scale):
+def _absorb_rows(
+    kv_ptr, row, q, run_max, run_sum, acc, offs_d, d_ok, stride_kv, scale,
+    PACKED: tl.constexpr, FP4: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+    ROPE_OFF: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE: tl.constexpr, ROUND: tl.constexpr,
+):
     """The running softmax after the rows ``row`` (``-1``: none) of ``kv``."""
     valid = row >= 0
     rows = tl.where(valid, row, 0).to(tl.int64)
-    kv = tl.load(kv_ptr + rows[:, None] * stride_kv + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    kv = _load_rows(kv_ptr, rows, valid, offs_d, d_ok, stride_kv, PACKED, FP4, SCALE, BLOCK, QUANT, ROPE_OFF, SCALE_OFF, ROPE, ROUND)
     s = tl.where(valid, tl.sum(kv * q[None, :], axis=1) * scale, float("-inf"))
     new_max = tl.maximum(run_max, tl.max(s, axis=0))
     keep = tl.exp(run_max - new_max)
@@ -328,6 +348,8 @@ def _entry_attention_kernel(
     T, H, D, K, N,
     stride_qt, stride_qh, stride_kv, stride_it, stride_tb, stride_ot, stride_oh,
     scale,
+    PACKED: tl.constexpr, FP4: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+    ROPE_OFF: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE: tl.constexpr, ROUND: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -345,20 +367,29 @@ def _entry_attention_kernel(
         for k0 in range(0, K, BLOCK_N):
             offs = k0 + offs_n
             row = tl.load(idx_ptr + t * stride_it + offs, mask=offs < K, other=-1)
-            run_max, run_sum, acc = _absorb_rows(kv_ptr, row, q, run_max, run_sum, acc, offs_d, d_ok, stride_kv, scale)
+            run_max, run_sum, acc = _absorb_rows(
+                kv_ptr, row, q, run_max, run_sum, acc, offs_d, d_ok, stride_kv, scale,
+                PACKED, FP4, SCALE, BLOCK, QUANT, ROPE_OFF, SCALE_OFF, ROPE, ROUND,
+            )
         seq = tl.load(seq_ptr + t).to(tl.int64)
         vis = tl.minimum(tl.load(vis_ptr + t), N)
         for n0 in range(0, vis, BLOCK_N):
             offs = n0 + offs_n
             row = tl.load(table_ptr + seq * stride_tb + offs, mask=offs < vis, other=-1)
-            run_max, run_sum, acc = _absorb_rows(kv_ptr, row, q, run_max, run_sum, acc, offs_d, d_ok, stride_kv, scale)
+            run_max, run_sum, acc = _absorb_rows(
+                kv_ptr, row, q, run_max, run_sum, acc, offs_d, d_ok, stride_kv, scale,
+                PACKED, FP4, SCALE, BLOCK, QUANT, ROPE_OFF, SCALE_OFF, ROPE, ROUND,
+            )
         out = acc / run_sum
         tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def plan_entry_attention(d: int, dtype: torch.dtype, ub: UnifiedBuffer, *, interpret: bool = False) -> TilePlan:
+def plan_entry_attention(
+    d: int, dtype: torch.dtype, ub: UnifiedBuffer, *, interpret: bool = False, packed: KVFormat | None = None,
+) -> TilePlan:
     """Blocks of ``_entry_attention_kernel``: ``BLOCK_D`` the whole head (at least 16), ``BLOCK_N`` rows shrinking
-    until the tiles fit (to one row at V4's 512-wide head on the smallest UB, if need be)."""
+    until the tiles fit (to one row at V4's 512-wide head on the smallest UB, if need be; rows read from ``packed``
+    records where given)."""
     bd = max(REDUCE_MIN, next_power_of_2(d))
     xs = torch.empty((), dtype=dtype).element_size()
 
@@ -370,23 +401,25 @@ def plan_entry_attention(d: int, dtype: torch.dtype, ub: UnifiedBuffer, *, inter
             Tile("kv mask", (bn, bd), 1), Tile("kv·q", (bn, bd), 4), Tile("p·kv", (bn, bd), 4),
             Tile("logits", (bn,), 4), Tile("p", (bn,), 4),
             Tile("q", (bd,), xs, loaded=True), Tile("q fp32", (bd,), 4), Tile("acc", (bd,), 4), Tile("out", (bd,), 4),
-        )
+        ) + packed_read_tiles(bn, bd, packed)
 
     start = {"BLOCK_N": 4 if interpret else ATTENTION_BLOCK_CAP, "BLOCK_D": bd}
-    shape = f"D={d}, {str(dtype).removeprefix('torch.')}"
+    shape = f"D={d}, {str(dtype).removeprefix('torch.')}{'' if packed is None else ', ' + format_label(packed)}"
     return fit_blocks("entry_attention", shape, ub, start, {"BLOCK_D": bd}, tiles)
 
 
 def entry_attention(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, table: torch.Tensor, token_seq: torch.Tensor,
+    q: torch.Tensor, kv: torch.Tensor | PackedPool, indices: torch.Tensor, table: torch.Tensor, token_seq: torch.Tensor,
     visible: torch.Tensor, sinks: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """``Kernels.entry_attention`` for fp32/fp16/bf16 ``q``/``kv`` with at least one token and pool row."""
+    """``Kernels.entry_attention`` for fp32/fp16/bf16 ``q``/``kv`` with at least one token and pool row; ``kv`` a
+    plain pool or a one-region packed one."""
     t, h, d = q.shape
     k, n = indices.shape[1], table.shape[1]
+    src = row_source(kv)
     wider = max(q.dtype, kv.dtype, key=lambda dt: torch.empty((), dtype=dt).element_size())
-    plan = require_fit(plan_entry_attention(d, wider, unified_buffer(q.device), interpret=interpreting()))
-    q, kv = _rows_contiguous(q), _rows_contiguous(kv)
+    plan = require_fit(plan_entry_attention(d, wider, unified_buffer(q.device), interpret=interpreting(), packed=src.format))
+    q = _rows_contiguous(q)
     indices = indices.to(torch.int64).contiguous()
     table = table.to(torch.int64).contiguous()
     seq = token_seq.to(torch.int64).contiguous()
@@ -395,10 +428,11 @@ def entry_attention(
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     programs = program_count(q.device)
     _entry_attention_kernel[(programs,)](
-        q, kv, indices, table, seq, vis, sinks, out,
+        q, src.data, indices, table, seq, vis, sinks, out,
         t, h, d, k, n,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), table.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), src.stride, indices.stride(0), table.stride(0), out.stride(0), out.stride(1),
         float(scale),
-        NUM_PROGRAMS=programs, **plan.blocks,
+        **src.layout, NUM_PROGRAMS=programs, **plan.blocks,
     )
     return out
+

@@ -19,12 +19,16 @@ import torch
 
 from deepinfer_ascend.device import features_for_generation, soc_generation
 from deepinfer_ascend.kernels import AscendKernels
+from deepinfer_interfaces.specs import SPECS
 from tests.helpers.subprocesses import run_python
 
 ROOT = Path(__file__).resolve().parents[3]
 #: ops that run a Triton-Ascend kernel where no torch_npu is (some run an SoC's fused op first where it takes the inputs)
 TRITON_OPS = {op for op, how in AscendKernels.paths().items() if how == "triton-ascend" or how.startswith("triton-ascend (")}
 NPU_OPS = {op for op, how in AscendKernels.paths().items() if how.startswith("torch_npu:")}
+#: the ops the interpreter sweep runs: those with op specs (the packed-record ops without one are checked by
+#: tests/backends/ascend/test_ascend_packed.py)
+SPECCED_OPS = {op for op in TRITON_OPS | NPU_OPS if op in SPECS}
 
 
 _run = run_python
@@ -210,7 +214,7 @@ def test_conformance_interpret_passes_triton_ops_and_reports_torch_npu_ops_not_s
     report_path = tmp_path / "ascend.json"
     # the CLI's route on a fused op and on routing (fused for sigmoid only), then every op case by case
     cli = ["conformance", "--backend", "ascend", "--interpret", "--ops", "rms_norm", "--ops", "moe_route", "--report", str(report_path)]
-    res = sweep("ascend", cli, sorted(TRITON_OPS | NPU_OPS), LEFT_OUT, timeout=600)
+    res = sweep("ascend", cli, sorted(SPECCED_OPS), LEFT_OUT, timeout=600)
     assert res["cli_status"] == 0, res["cli_table"]
     report = json.loads(report_path.read_text())
     assert (report["backend"], report["kernels"]) == ("ascend", "ascend")
@@ -221,7 +225,7 @@ def test_conformance_interpret_passes_triton_ops_and_reports_torch_npu_ops_not_s
     assert not [r for r in results if r["status"] in ("fail", "error")]
     # the real-shape cases are left to the device under the interpreter (INTERPRET_MAX_ELEMENTS)
     ran = [r for r in results if not interpret_limited(r)]
-    for op in sorted(TRITON_OPS):
+    for op in sorted(TRITON_OPS & SPECCED_OPS):
         rows = [r for r in ran if r["op"] == op]
         assert rows and all(r["status"] == "pass" for r in rows), [(r["case"], r["dtype"], r["status"], r["message"]) for r in rows]
     for op in sorted(NPU_OPS):
@@ -314,7 +318,7 @@ _GREEDY = textwrap.dedent(
 
     def greedy(kernels, steps=6):
         model = DeepseekV4Model.from_pretrained(ckpt, kernels, dtype=torch.float32)
-        cache = ContiguousCache(model.config, 1, 64, dtype=torch.float32)
+        cache = ContiguousCache(model.config, 1, 64, dtype=torch.float32, kv_cache_dtype=sys.argv[2])
         slot = cache.allocate()
         logits = model(Batch.build([prompt], [slot], [0]), cache)
         out = []
@@ -332,12 +336,16 @@ _GREEDY = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_tiny_model_greedy_tokens_through_the_ascend_kernels_match_the_reference(tmp_path):
-    got = _last_json(_run(["-c", _GREEDY, str(tmp_path)], interpret=True, timeout=600))
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "fp8"])
+def test_tiny_model_greedy_tokens_through_the_ascend_kernels_match_the_reference(tmp_path, kv_cache_dtype):
+    got = _last_json(_run(["-c", _GREEDY, str(tmp_path), kv_cache_dtype], interpret=True, timeout=600))
     assert got["kernels"] == "AscendKernels"
     assert got["got"] == got["expected"]
-    # the indexer's top-k and HCA's attention run the long-context kernels (which reuse the indexer's key counting)
-    assert set(got["triton_ran"]) == {"triton_ascend_compressor", "triton_ascend_indexer", "triton_ascend_long_context", "triton_ascend_mhc"}
+    # the indexer's top-k and HCA's attention run the long-context kernels (which reuse the indexer's key counting
+    # and read rows through the packed-record loader, plain or packed: with "fp8" the cache is FP8 K=V rows and FP4
+    # indexer keys, written and read by the packed-record kernels)
+    assert set(got["triton_ran"]) == {"triton_ascend_compressor", "triton_ascend_indexer", "triton_ascend_kv_quant",
+                                      "triton_ascend_long_context", "triton_ascend_mhc"}
 
 
 # ---- the torch_npu glue, against stand-ins that compute what the op reference documents ----

@@ -29,7 +29,7 @@ from tests.helpers.subprocesses import run_python
 from deepinfer.models.registry import parse_config
 
 ROOT = Path(__file__).resolve().parents[3]
-KERNEL_FILES = [ROOT / "backends/ascend/deepinfer_ascend" / f"triton_ascend_{k}.py" for k in ("mhc", "indexer", "compressor")]
+KERNEL_FILES = [ROOT / "backends/ascend/deepinfer_ascend" / f"triton_ascend_{k}.py" for k in ("mhc", "indexer", "compressor", "kv_quant")]
 
 
 def _run(script: str, timeout: float = 300) -> str:
