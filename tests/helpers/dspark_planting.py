@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
 
 #: the last stage's Markov factors under V4.1's release names (``embed`` / ``head``) or V4's (``markov_w1`` / ``markov_w2``)
 _FACTOR = re.compile(r"^mtp\.(\d+)\.markov_head\.(embed|head|markov_w1|markov_w2)\.weight$")

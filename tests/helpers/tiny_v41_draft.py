@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 
 from tests.helpers.tiny_v41 import TEXT, _random, write_tiny_v41

@@ -5,7 +5,6 @@ broken ones."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
