@@ -9,6 +9,8 @@ generated position is the token the engine generated.
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,3 +140,35 @@ def kv_budget(model: str | Path, kv_cache_dtype: str, dtype: torch.dtype, step: 
     config = load_config(Path(model))
     g = CacheGeometry.build(config, block_size_for(config, 16), step, max_len, kv_cache_dtype)
     return slots * g.bytes_per_slot(dtype) + blocks * g.bytes_per_block(dtype)
+
+
+def check_speculation(ckpt: Path, done: list[Completion], markov_rank: int, tmp_path: Path, engine: dict, tokens: int) -> None:
+    """Drafts planted from the greedy continuations ``done`` get some accepted and the rest rejected (rolling
+    back rounded rows, closed compress windows and published indexer keys) without changing a token."""
+    from .dspark_planting import plant_bigrams
+
+    planted = shutil.copytree(ckpt, tmp_path / "planted")
+    plant_bigrams(planted, greedy_bigrams(done, markov_rank))
+    llm = LLM(model=str(planted), kv_cache_dtype="auto", swa_replay="exact",
+              **dict(engine, speculative_method="dspark", speculative_policy="all"))
+    spec = one_by_one(llm, [(d.prompt, greedy(tokens, False)) for d in done])
+    assert [s.tokens for s in spec] == [d.tokens for d in done]
+    stats = llm.get_metrics()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_verified_tokens"]
+
+
+def check_float32(ckpt: Path, engine: dict, prompt: list[int], tokens: int, oracle: Callable[..., torch.Tensor]) -> None:
+    """The engine as it runs on the host: ``kv_cache_dtype="model"`` is the unrounded math (today's numerics),
+    ``auto`` the rounded one, up to fp32's boundary noise (``FP32_SEPARATION``), and the two measurably apart.
+    ``oracle(ids, rounding=...)``: the dense reference's logits."""
+    engine = dict(engine, dtype="float32")
+    (plain,) = one_by_one(LLM(model=str(ckpt), kv_cache_dtype="model", **engine), [(prompt, greedy(tokens, True))])
+    agree = agreement(plain, oracle(plain.ids, rounding=False))
+    assert agree.mean <= MEAN_ATOL and agree.same_tokens, str(agree)
+    llm = LLM(model=str(ckpt), kv_cache_dtype="auto", **engine)
+    assert llm.engine.runner.cache.formats.window is not None
+    (rounded,) = one_by_one(llm, [(prompt, greedy(tokens, True))])
+    near = agreement(rounded, oracle(rounded.ids, rounding=True)).mean
+    far = agreement(rounded, oracle(rounded.ids, rounding=False)).mean
+    assert FP32_SEPARATION * near < far, f"fp32 auto: {near:.2e} from the rounded oracle, {far:.2e} from the unrounded"
+    assert prompt_logprob_gap(plain, rounded) > 1e-4

@@ -17,8 +17,6 @@ replay), after preemption; speculation must not change a token; and
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -27,11 +25,10 @@ from deepinfer.models.registry import load_config
 from deepinfer_interfaces import KVFormat
 from deepinfer_interfaces.kv_format import round_rows
 from tests.helpers.checkpoints import BOS_ID, byte_tokens
-from tests.helpers.dspark_planting import plant_bigrams
 from tests.helpers.kv_rounding import e2m1_round, e4m3_round, hadamard
 from tests.helpers.published import DSPARK_FIELDS, make_published_checkpoint
 from tests.helpers.trained_kv import (
-    FP32_SEPARATION, MEAN_ATOL, agreement, greedy, greedy_bigrams, kv_budget, one_by_one, prompt_logprob_gap, together,
+    MEAN_ATOL, agreement, check_float32, check_speculation, greedy, kv_budget, one_by_one, together,
 )
 from tests.helpers.v4_oracle import oracle_forward
 
@@ -122,31 +119,8 @@ def test_preemption_recomputes_the_rounded_state(ckpt):
 
 
 def test_speculation_keeps_greedy_output_under_auto(ckpt, auto, tmp_path):
-    """Drafts planted from the greedy continuations get some accepted and the rest rejected (rolling back
-    rounded rows and closed compress windows) without changing a token."""
-    _, done = auto
-    planted = shutil.copytree(ckpt, tmp_path / "planted")
-    plant_bigrams(planted, greedy_bigrams(done, DSPARK_FIELDS["dspark_markov_rank"]))
-    llm = LLM(model=str(planted), kv_cache_dtype="auto", swa_replay="exact",
-              **dict(ENGINE, speculative_method="dspark", speculative_policy="all"))
-    spec = one_by_one(llm, [(d.prompt, greedy(TOKENS, False)) for d in done])
-    assert [s.tokens for s in spec] == [d.tokens for d in done]
-    stats = llm.get_metrics()
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_verified_tokens"]
+    check_speculation(ckpt, auto[1], DSPARK_FIELDS["dspark_markov_rank"], tmp_path, ENGINE, TOKENS)
 
 
 def test_float32_rounds_as_trained_and_the_model_dtype_stays_unrounded(ckpt):
-    """The engine as it runs on the host: ``kv_cache_dtype="model"`` is the unrounded math (today's numerics),
-    ``auto`` the rounded one, up to fp32's boundary noise (see ``FP32_SEPARATION``), and the two measurably apart."""
-    engine = dict(ENGINE, dtype="float32")
-    (plain,) = one_by_one(LLM(model=str(ckpt), kv_cache_dtype="model", **engine), [(PROMPTS[0], greedy(TOKENS, True))])
-    unrounded = _oracle(ckpt, plain.ids, rounding=False).logits
-    agree = agreement(plain, unrounded)
-    assert agree.mean <= MEAN_ATOL and agree.same_tokens, str(agree)
-    llm = LLM(model=str(ckpt), kv_cache_dtype="auto", **engine)
-    assert llm.engine.runner.cache.formats.window is not None
-    (rounded,) = one_by_one(llm, [(PROMPTS[0], greedy(TOKENS, True))])
-    near = agreement(rounded, _oracle(ckpt, rounded.ids).logits).mean
-    far = agreement(rounded, _oracle(ckpt, rounded.ids, rounding=False).logits).mean
-    assert FP32_SEPARATION * near < far, f"fp32 auto: {near:.2e} from the rounded oracle, {far:.2e} from the unrounded"
-    assert prompt_logprob_gap(plain, rounded) > 1e-4
+    check_float32(ckpt, ENGINE, PROMPTS[0], TOKENS, lambda ids, rounding: _oracle(ckpt, ids, rounding=rounding).logits)
