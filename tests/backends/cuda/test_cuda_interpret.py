@@ -25,7 +25,12 @@ OWN_OPS = {
     "fp8_linear", "moe_experts_quantized",
     # DeepSeek V4.1: its hyper-connections, two-level top-k and Engram
     "mhc_mix", "mhc_collapse", "candidate_blocks", "engram_hash", "engram_lookup", "engram_inject",
+    # packed cache records
+    "kv_pack", "kv_unpack", "hadamard",
 }
+#: own ops without an op spec: tests/backends/cuda/test_cuda_packed_kv.py holds them to the reference (records byte for
+#: byte, every byte value decoded); the sweep below takes each op that has a spec
+SPECLESS_OPS = {"kv_pack", "kv_unpack", "hadamard"}
 
 
 def _run(args: list[str], interpret: bool, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -124,7 +129,8 @@ def test_conformance_interpret_passes_every_own_op(tmp_path: Path) -> None:
     from tests.helpers.interpret_sweep import assert_left_out_cases_exist, full_sweep, interpret_limited, sweep
 
     overrides = set(CUDAKernels.overrides())
-    assert OWN_OPS <= overrides and overrides <= set(SPECS), overrides - set(SPECS)
+    assert OWN_OPS <= overrides and overrides - SPECLESS_OPS <= set(SPECS), overrides - set(SPECS)
+    overrides &= set(SPECS)
     report_path = tmp_path / "report.json"
     # the CLI's route, on one op: cases above a low element limit are reported left to the device
     cli = ["conformance", "--backend", "cuda", "--interpret", "--ops", "rms_norm", "--interpret-max-elements", "1000",
