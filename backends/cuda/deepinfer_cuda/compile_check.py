@@ -54,12 +54,16 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, MockTensor, create_function_from_signature
 
+from deepinfer_interfaces import KVFormat
+
 from . import __path__ as _package_path
 from . import (
     triton_attention, triton_bitmask, triton_cache, triton_candidates, triton_compressor, triton_engram, triton_experts,
-    triton_fp8, triton_indexer, triton_long_context, triton_mhc, triton_moe, triton_norm, triton_rope, triton_sampling,
+    triton_fp8, triton_hadamard, triton_indexer, triton_long_context, triton_mhc, triton_moe, triton_norm, triton_records,
+    triton_rope, triton_sampling,
 )
 from .launch import SHARED_MEMORY_PER_BLOCK, Tiles, interpreting
+from .pool_operand import NO_FORMAT, format_constants
 from .triton_common import PROGRAMS_PER_SM, accumulator, dot_operands
 from .triton_dequant import E2M1, E4M3, PLAIN
 
@@ -167,6 +171,59 @@ class Shapes:
 
 
 V4_FLASH = Shapes()
+
+
+@dataclass(frozen=True)
+class PackedFormats:
+    """The packed cache records V4 and V4.1 store (``deepinfer/models/deepseek_v4/cache.py`` ``v4_formats`` and
+    ``deepseek_v41/cache.py`` ``v41_formats`` at the Flash models' widths; written out here because a backend must
+    not import the engine)."""
+
+    v4_kv: KVFormat = KVFormat("v4.kv.fp8", 512, "e4m3", 64, "ue8m0", 64)
+    #: V4's K=V records of a checkpoint whose ``scale_fmt`` is float
+    v4_kv_fp32: KVFormat = KVFormat("v4.kv.fp8", 512, "e4m3", 64, "fp32", 64)
+    v4_index: KVFormat = KVFormat("v4.index.fp4", 128, "e2m1", 32, "ue8m0")
+    v41_window: KVFormat = KVFormat("v41.window.fp8", 512, "e4m3", 32, "ue8m0")
+    v41_entry: KVFormat = KVFormat("v41.entry.fp4", 512, "e2m1", 16, "e4m3")
+    v41_index: KVFormat = KVFormat("v41.index.fp4", 128, "e2m1", 32, "ue8m0")
+
+
+PACKED = PackedFormats()
+
+
+@dataclass(frozen=True)
+class PoolArgs:
+    """A pool's arguments to a row-reading kernel, as ``pool_operand.PoolOperand`` passes them: plain rows of the
+    model dtype, or one or two regions of records (a V4.1 pool: its FP4 entries, then its FP8 window rows)."""
+
+    formats: tuple[KVFormat, ...] = ()
+
+    def kernel(self, name: str) -> str:
+        """The record's kernel name: ``name`` for plain rows, else ``name.records`` or ``name.two_regions`` (one
+        quick case each)."""
+        return name if not self.formats else f"{name}.{'records' if len(self.formats) == 1 else 'two_regions'}"
+
+    def label(self, what: str) -> str:
+        return ", ".join([what] + [f"{f.name} {f.scale} scales" for f in self.formats])
+
+    def args(self, dtype: torch.dtype, dim: int, split: int, pointer: str = "kv", stride: str = "kv") -> dict[str, Any]:
+        """The kernel arguments ``{pointer}_ptr``, ``{pointer}2_ptr``, ``stride_{stride}``, ``stride_{stride}2``,
+        ``SPLIT_ROW`` (``split``, the second region's first row; 0 without one), ``REGIONS``, ``F0`` and ``F1``."""
+        storage = ptr(torch.uint8) if self.formats else ptr(dtype)
+        constants = [format_constants(f) for f in self.formats] or [NO_FORMAT]
+        widths = [f.record_bytes for f in self.formats] or [dim]
+        return {f"{pointer}_ptr": storage, f"{pointer}2_ptr": storage, f"stride_{stride}": widths[0], f"stride_{stride}2": widths[-1],
+                "SPLIT_ROW": split if len(self.formats) == 2 else 0, "REGIONS": len(self.formats), "F0": constants[0],
+                "F1": constants[-1]}
+
+
+PLAIN_POOL = PoolArgs()
+V4_KV_POOL = PoolArgs((PACKED.v4_kv,))
+V4_KV_FP32_POOL = PoolArgs((PACKED.v4_kv_fp32,))
+#: V4.1's K=V pool of a layer: its FP4 compressed entries, then its FP8 window rows
+V41_KV_POOL = PoolArgs((PACKED.v41_entry, PACKED.v41_window))
+V4_INDEX_POOL = PoolArgs((PACKED.v4_index,))
+
 PHASES = ("decode", "prefill")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -341,21 +398,52 @@ def _cache(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> l
     return out
 
 
-def attention_cases(heads: int, dim: int, tokens: int, k: int, dtype: torch.dtype, dt: str, target: int, what: str) -> list[Case]:
-    """The sparse attention launch (and at decode the slice merge) for ``tokens`` tokens over ``k`` indices."""
+def _records(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
+    """Packed records: the fused quantize-and-scatter of ``cache_write`` into each format's region, ``kv_pack`` of the
+    indexer queries (``round_as_cached``) and ``kv_unpack`` of them in the model dtype."""
+    out = []
+    for fmt in (PACKED.v4_kv, PACKED.v4_kv_fp32, PACKED.v4_index, PACKED.v41_window, PACKED.v41_entry, PACKED.v41_index):
+        args = dict(x_ptr=ptr(dtype), slots_ptr=ptr(torch.int64), out_ptr=ptr(torch.uint8), stride_x=fmt.dim,
+                    stride_o=fmt.record_bytes, first_row=4096, rows=s.context, amax_floor=fmt.amax_floor,
+                    F=format_constants(fmt), SCATTER=True)
+        out += launch_cases(f"cache_write.{fmt.code}_{fmt.scale}", triton_records._kv_pack_kernel, dt, args,
+                            triton_records.pack_tiles(fmt), f"{fmt.name} records")
+    fmt = PACKED.v4_index
+    args = dict(x_ptr=ptr(dtype), slots_ptr=ptr(torch.uint8), out_ptr=ptr(torch.uint8), stride_x=fmt.dim, stride_o=fmt.record_bytes,
+                first_row=0, rows=s.prefill_tokens * s.index_heads, amax_floor=fmt.amax_floor, F=format_constants(fmt), SCATTER=False)
+    out += launch_cases("kv_pack", triton_records._kv_pack_kernel, dt, args, triton_records.pack_tiles(fmt), "indexer queries")
+    bf16 = dtype == torch.bfloat16
+    args = dict(rec_ptr=ptr(torch.uint8), out_ptr=ptr(torch.int16 if bf16 else dtype), n=s.prefill_tokens * s.index_heads,
+                stride_r=fmt.record_bytes, stride_o=fmt.dim, F=format_constants(fmt), BF16=bf16)
+    out += launch_cases("kv_unpack", triton_records._kv_unpack_kernel, dt, args, triton_records.unpack_tiles(fmt), "indexer queries")
+    return out
+
+
+def _hadamard(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
+    """V4's rotation of indexer queries and keys (``index_dim`` wide)."""
+    dot, prec = dot_operands(dtype)
+    d = s.index_dim
+    args = dict(x_ptr=ptr(dtype), out_ptr=ptr(dtype), T=s.prefill_tokens * s.index_heads, D=d, stride_x=d, stride_o=d,
+                inv_sqrt=d**-0.5, DOT=dot, PREC=prec)
+    return launch_cases("hadamard", triton_hadamard._hadamard_kernel, dt, args, triton_hadamard.hadamard_tiles(d), "indexer rows")
+
+
+def attention_cases(heads: int, dim: int, tokens: int, k: int, dtype: torch.dtype, dt: str, target: int, what: str,
+                    pool: PoolArgs = PLAIN_POOL) -> list[Case]:
+    """The sparse attention launch (and at decode the slice merge) for ``tokens`` tokens over ``k`` indices of ``pool``."""
     dot, prec = dot_operands(dtype)
     f32 = ptr(torch.float32)
     splits, slice_len = triton_attention.attention_slices(tokens, heads, k, PROGRAMS_PER_SM * LIMITS[target].multiprocessors)
     split = splits > 1
     out_ptr = f32 if split else ptr(dtype)
     stride_ot = splits * heads * dim if split else heads * dim
-    args = dict(q_ptr=ptr(dtype), kv_ptr=ptr(dtype), idx_ptr=ptr(torch.int64), sink_ptr=f32, out_ptr=out_ptr,
+    args = dict(q_ptr=ptr(dtype), idx_ptr=ptr(torch.int64), sink_ptr=f32, out_ptr=out_ptr,
                 part_m_ptr=f32 if split else out_ptr, part_l_ptr=f32 if split else out_ptr, H=heads, D=dim, K=k, N=1 << 20,
-                SLICE=slice_len if split else k, qk_scale=0.06, stride_qt=heads * dim, stride_qh=dim, stride_kv=dim,
-                stride_it=k, stride_ot=stride_ot, stride_oh=dim, SPLIT=split, DOT=dot, PREC=prec)
+                SLICE=slice_len if split else k, qk_scale=0.06, stride_qt=heads * dim, stride_qh=dim,
+                stride_it=k, stride_ot=stride_ot, stride_oh=dim, SPLIT=split, DOT=dot, PREC=prec, **pool.args(dtype, dim, 1 << 19))
     label = f"{what}, {splits} slices" if split else what
-    out = launch_cases("sparse_attention", triton_attention._sparse_attention_kernel, dt, args,
-                       triton_attention.attention_tiles(heads, dim), label)
+    out = launch_cases(pool.kernel("sparse_attention"), triton_attention._sparse_attention_kernel, dt, args,
+                       triton_attention.attention_tiles(heads, dim), pool.label(label))
     if split:
         merge = dict(part_ptr=f32, part_m_ptr=f32, part_l_ptr=f32, sink_ptr=f32, out_ptr=ptr(dtype), H=heads, D=dim, S=splits,
                      stride_ot=heads * dim, stride_oh=dim)
@@ -364,21 +452,25 @@ def attention_cases(heads: int, dim: int, tokens: int, k: int, dtype: torch.dtyp
     return out
 
 
-def indexer_cases(heads: int, dim: int, tokens: int, k: int, dtype: torch.dtype, dt: str, what: str) -> list[Case]:
-    """The lightning indexer's score launch for ``tokens`` queries over ``k`` candidates."""
+def indexer_cases(heads: int, dim: int, tokens: int, k: int, dtype: torch.dtype, dt: str, what: str,
+                  pool: PoolArgs = PLAIN_POOL) -> list[Case]:
+    """The lightning indexer's score launch for ``tokens`` queries over ``k`` candidates of ``pool``."""
     dot, prec = dot_operands(dtype)
-    args = dict(q_ptr=ptr(dtype), w_ptr=ptr(dtype), keys_ptr=ptr(dtype), idx_ptr=ptr(torch.int64), out_ptr=ptr(torch.float32),
+    args = dict(q_ptr=ptr(dtype), w_ptr=ptr(dtype), idx_ptr=ptr(torch.int64), out_ptr=ptr(torch.float32),
                 H=heads, D=dim, K=k, N=1 << 18, scale=0.088, stride_qt=heads * dim, stride_qh=dim, stride_wt=heads,
-                stride_k=dim, stride_it=k, stride_ot=k, DOT=dot, PREC=prec)
-    return launch_cases("indexer_scores", triton_indexer._indexer_scores_kernel, dt, args,
-                        triton_indexer.indexer_tiles(heads, dim), what)
+                stride_it=k, stride_ot=k, DOT=dot, PREC=prec, **pool.args(dtype, dim, 1 << 18, "keys", "k"))
+    return launch_cases(pool.kernel("indexer_scores"), triton_indexer._indexer_scores_kernel, dt, args,
+                        triton_indexer.indexer_tiles(heads, dim), pool.label(what))
 
 
 def _attention(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
     tokens = s.decode_tokens if phase == "decode" else s.prefill_tokens
-    out = attention_cases(s.heads, s.head_dim, tokens, s.window + s.index_topk, dtype, dt, target, f"{phase}, CSA")
+    out = []
+    for pool in (PLAIN_POOL, V4_KV_POOL, V4_KV_FP32_POOL, V41_KV_POOL):
+        out += attention_cases(s.heads, s.head_dim, tokens, s.window + s.index_topk, dtype, dt, target, f"{phase}, CSA", pool)
     if phase == "decode":
-        out += indexer_cases(s.index_heads, s.index_dim, tokens, s.context // s.csa_ratio, dtype, dt, phase)
+        for pool in (PLAIN_POOL, V4_INDEX_POOL):
+            out += indexer_cases(s.index_heads, s.index_dim, tokens, s.context // s.csa_ratio, dtype, dt, phase, pool)
         # the bundled tiny model's smallest tiles: a head block below one MMA, one indexer head
         out += attention_cases(2, 16, tokens, 32, dtype, dt, target, "tiny model")
         out += indexer_cases(1, 16, tokens, 64, dtype, dt, "tiny model")
@@ -398,11 +490,13 @@ def _long_context(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: in
     split = splits > 1
     tiles = triton_long_context.topk_tiles(s.index_heads, s.index_dim, k, n, dtype)
     what = f"{phase}, {n} CSA entries, top {k}" + (f", {splits} slices" if split else "")
-    args = dict(q_ptr=ptr(dtype), w_ptr=ptr(dtype), keys_ptr=ptr(dtype), table_ptr=i64, seq_ptr=i64, vis_ptr=i64, out_ptr=i64,
-                H=s.index_heads, D=s.index_dim, N=n, P=n + 4096, TOPK=k, SLICE=slice_len, scale=0.088,
-                stride_qt=s.index_heads * s.index_dim, stride_qh=s.index_dim, stride_wt=s.index_heads, stride_k=s.index_dim,
-                stride_tb=n, stride_ot=k, SPLIT=split, DOT=dot, PREC=prec)
-    out = launch_cases("indexer_topk", triton_long_context._indexer_topk_kernel, dt, args, tiles, what)
+    out = []
+    for pool in (PLAIN_POOL, V4_INDEX_POOL):
+        args = dict(q_ptr=ptr(dtype), w_ptr=ptr(dtype), table_ptr=i64, seq_ptr=i64, vis_ptr=i64, out_ptr=i64,
+                    H=s.index_heads, D=s.index_dim, N=n, P=n + 4096, TOPK=k, SLICE=slice_len, scale=0.088,
+                    stride_qt=s.index_heads * s.index_dim, stride_qh=s.index_dim, stride_wt=s.index_heads,
+                    stride_tb=n, stride_ot=k, SPLIT=split, DOT=dot, PREC=prec, **pool.args(dtype, s.index_dim, n + 4096, "keys", "k"))
+        out += launch_cases(pool.kernel("indexer_topk"), triton_long_context._indexer_topk_kernel, dt, args, tiles, pool.label(what))
     if split:
         merge = dict(part_ptr=i64, out_ptr=i64, S=splits, TOPK=k, stride_ot=k)
         out += launch_cases("indexer_topk.merge", triton_long_context._topk_merge_kernel, dt, merge,
@@ -412,13 +506,15 @@ def _long_context(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: in
     split = splits > 1
     out_ptr = f32 if split else ptr(dtype)
     what = f"{phase}, window {window} + {entries} HCA entries" + (f", {splits} slices" if split else "")
-    args = dict(q_ptr=ptr(dtype), kv_ptr=ptr(dtype), idx_ptr=i64, table_ptr=i64, seq_ptr=i64, vis_ptr=i64, sink_ptr=f32,
-                out_ptr=out_ptr, part_m_ptr=f32 if split else out_ptr, part_l_ptr=f32 if split else out_ptr, H=heads, D=dim,
-                K=window, N=entries, P=1 << 20, SLICE=slice_len if split else window + entries, qk_scale=0.06,
-                stride_qt=heads * dim, stride_qh=dim, stride_kv=dim, stride_it=window, stride_tb=entries,
-                stride_ot=splits * heads * dim if split else heads * dim, stride_oh=dim, SPLIT=split, DOT=dot, PREC=prec)
-    out += launch_cases("entry_attention", triton_long_context._entry_attention_kernel, dt, args,
-                        triton_attention.attention_tiles(heads, dim), what)
+    for pool in (PLAIN_POOL, V4_KV_POOL, V41_KV_POOL):
+        args = dict(q_ptr=ptr(dtype), idx_ptr=i64, table_ptr=i64, seq_ptr=i64, vis_ptr=i64, sink_ptr=f32,
+                    out_ptr=out_ptr, part_m_ptr=f32 if split else out_ptr, part_l_ptr=f32 if split else out_ptr, H=heads, D=dim,
+                    K=window, N=entries, P=1 << 20, SLICE=slice_len if split else window + entries, qk_scale=0.06,
+                    stride_qt=heads * dim, stride_qh=dim, stride_it=window, stride_tb=entries,
+                    stride_ot=splits * heads * dim if split else heads * dim, stride_oh=dim, SPLIT=split, DOT=dot, PREC=prec,
+                    **pool.args(dtype, dim, entries, "kv", "kv"))
+        out += launch_cases(pool.kernel("entry_attention"), triton_long_context._entry_attention_kernel, dt, args,
+                            triton_attention.attention_tiles(heads, dim), pool.label(what))
     if split:
         merge = dict(part_ptr=f32, part_m_ptr=f32, part_l_ptr=f32, sink_ptr=f32, out_ptr=ptr(dtype), H=heads, D=dim, S=splits,
                      stride_ot=heads * dim, stride_oh=dim)
@@ -649,13 +745,13 @@ def _fp8(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> lis
 
 #: the case builders, one per kernel family
 BUILDERS: tuple[Callable[[Shapes, torch.dtype, str, str, int], list[Case]], ...] = (
-    _norm, _rope, _sampling, _cache, _attention, _long_context, _compressor, _mhc, _mhc_v41, _candidates, _engram, _moe,
-    _experts, _fp8,
+    _norm, _rope, _sampling, _cache, _records, _hadamard, _attention, _long_context, _compressor, _mhc, _mhc_v41, _candidates,
+    _engram, _moe, _experts, _fp8,
 )
 
 
 def _phase_independent(builder: Callable) -> bool:
-    return builder in (_norm, _rope, _sampling, _cache, _compressor, _engram, _moe)
+    return builder in (_norm, _rope, _sampling, _cache, _records, _hadamard, _compressor, _engram, _moe)
 
 
 def enumerate_cases(target: int, shapes: Shapes = V4_FLASH, dtypes: Sequence[str] = tuple(DTYPES)) -> list[Case]:

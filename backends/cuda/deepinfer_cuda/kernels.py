@@ -7,27 +7,39 @@ reference, which computes nothing for them). Dtypes the kernels do not handle
 (anything outside ``launch.KERNEL_DTYPES``, for the DeepSeek-V4 model ops
 outside ``launch.MODEL_DTYPES`` or with operands of mixed dtypes) run the
 reference, and so do quantized weights the kernels cannot read (see
-``_readable``) and cache pools of packed records (``PackedPool``: the
-reference decodes the rows it reads and packs the rows it writes). ``topk_select`` stays the reference: it is one torch sort.
+``_readable``). ``topk_select`` stays the reference: it is one torch sort.
 ``engram_lookup`` runs its kernel only when the table lives on the ids'
 device; a memory-mapped host table is gathered on the host by the reference.
+
+Cache pools may be ``PackedPool``s (``deepinfer_interfaces``): ``cache_write``
+quantizes rows into records and scatters them in one kernel per region, and
+``sparse_attention``, ``entry_attention``, ``indexer_scores`` and
+``indexer_topk`` decode the records of the rows they read in registers (pools
+of one or two non-empty regions decoding to the query's dtype; others run the
+reference, which decodes the gathered rows). ``kv_pack``, ``kv_unpack`` and
+``hadamard`` have their own kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer_interfaces import Kernels, PackedPool, QuantizedWeight
+from deepinfer_interfaces import KVFormat, Kernels, PackedPool, QuantizedWeight
 from deepinfer_interfaces.kernels.engram import ENGRAM_SCALE_BLOCK
 from deepinfer_interfaces.kernels.moe import SCORING_FUNCS
 
 from .launch import KERNEL_DTYPES, MODEL_DTYPES, check_device, interpreting
+from .pool_operand import readable_pool
 
 
-def _model_dtypes(*tensors: torch.Tensor) -> bool:
-    """True when every tensor has one dtype the model kernels handle (a packed pool is not a tensor they read)."""
-    return (all(isinstance(t, torch.Tensor) for t in tensors) and tensors[0].dtype in MODEL_DTYPES
-            and all(t.dtype == tensors[0].dtype for t in tensors))
+def _model_dtypes(*tensors: "torch.Tensor | PackedPool") -> bool:
+    """True when every tensor (a packed pool: the dtype its rows decode to) has one dtype the model kernels handle."""
+    return tensors[0].dtype in MODEL_DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)
+
+
+def _storage(pool: "torch.Tensor | PackedPool") -> list[torch.Tensor]:
+    """The tensors a pool is stored in (for device checks)."""
+    return pool.tensors() if isinstance(pool, PackedPool) else [pool]
 
 
 def _readable(weight: QuantizedWeight, dims: int) -> bool:
@@ -110,35 +122,75 @@ class CUDAKernels(Kernels):
 
         return apply_token_bitmask(logits, bitmask)
 
-    def cache_write(self, pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Scatters value rows into pool rows, ``-1`` slots skipped, without a host sync (see ``Kernels.cache_write``)."""
+    def cache_write(self, pool: "torch.Tensor | PackedPool", slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Scatters value rows into pool rows, ``-1`` slots skipped, without a host sync; into a packed pool's
+        regions as records quantized in the same kernel (see ``Kernels.cache_write``)."""
         if slots.numel() == 0:
             return
-        if isinstance(pool, PackedPool) or not pool.is_contiguous():
+        if isinstance(pool, PackedPool):
+            if pool.shape[0] == 0 or values.dtype not in MODEL_DTYPES or any(t.stride(-1) != 1 for t in pool.tensors()):
+                return super().cache_write(pool, slots, values)
+            check_device("cache_write", *pool.tensors(), slots, values)
+            from .triton_records import cache_write_packed
+
+            return cache_write_packed(pool, slots, values)
+        if not pool.is_contiguous():
             return super().cache_write(pool, slots, values)
         check_device("cache_write", pool, slots, values)
         from .triton_cache import cache_write
 
         cache_write(pool, slots, values)
 
+    def kv_pack(self, values: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+        """Block scales, codes and bf16 rope channels of each row in one kernel, records equal to the reference's
+        byte for byte (see ``Kernels.kv_pack``)."""
+        if values.dim() != 2 or values.shape[0] == 0 or values.dtype not in MODEL_DTYPES:
+            return super().kv_pack(values, fmt)
+        check_device("kv_pack", values)
+        from .triton_records import kv_pack
+
+        return kv_pack(values, fmt)
+
+    def kv_unpack(self, records: torch.Tensor, fmt: KVFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Each record's codes times its block scales, and its rope channels, in one kernel (see ``Kernels.kv_unpack``)."""
+        if records.numel() == 0 or records.dtype != torch.uint8 or dtype not in MODEL_DTYPES:
+            return super().kv_unpack(records, fmt, dtype)
+        check_device("kv_unpack", records)
+        from .triton_records import kv_unpack
+
+        return kv_unpack(records, fmt, dtype)
+
+    def hadamard(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows times the ``±1`` Sylvester matrix built in registers, then ``d^-1/2``, in one kernel (see ``Kernels.hadamard``)."""
+        d = x.shape[-1] if x.dim() else 0
+        if x.numel() == 0 or x.dtype not in MODEL_DTYPES or d < 1 or d & (d - 1):
+            return super().hadamard(x)
+        from .triton_hadamard import MAX_WIDTH, hadamard
+
+        if d > MAX_WIDTH:
+            return super().hadamard(x)
+        check_device("hadamard", x)
+        return hadamard(x)
+
     def sparse_attention(
-        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+        self, q: torch.Tensor, kv: "torch.Tensor | PackedPool", indices: torch.Tensor, sinks: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Online-softmax attention over gathered rows with sinks, split over the rows at decode (see ``Kernels.sparse_attention``)."""
-        if q.shape[0] == 0 or indices.shape[-1] == 0 or not _model_dtypes(q, kv):
+        """Online-softmax attention over gathered rows (a packed pool's decoded in registers) with sinks, split over
+        the rows at decode (see ``Kernels.sparse_attention``)."""
+        if q.shape[0] == 0 or indices.shape[-1] == 0 or not _model_dtypes(q, kv) or not readable_pool(kv):
             return super().sparse_attention(q, kv, indices, sinks, scale)
-        check_device("sparse_attention", q, kv, indices, sinks)
+        check_device("sparse_attention", q, *_storage(kv), indices, sinks)
         from .triton_attention import sparse_attention
 
         return sparse_attention(q, kv, indices, sinks, scale)
 
     def indexer_scores(
-        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, scale: float
+        self, q: torch.Tensor, weights: torch.Tensor, keys: "torch.Tensor | PackedPool", indices: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Head-summed ReLU scores of gathered keys in one pass (see ``Kernels.indexer_scores``)."""
-        if indices.shape[0] == 0 or indices.shape[-1] == 0 or not _model_dtypes(q, keys):
+        """Head-summed ReLU scores of gathered keys (packed ones decoded in registers) in one pass (see ``Kernels.indexer_scores``)."""
+        if indices.shape[0] == 0 or indices.shape[-1] == 0 or not _model_dtypes(q, keys) or not readable_pool(keys):
             return super().indexer_scores(q, weights, keys, indices, scale)
-        check_device("indexer_scores", q, weights, keys, indices)
+        check_device("indexer_scores", q, weights, *_storage(keys), indices)
         from .triton_indexer import indexer_scores
 
         return indexer_scores(q, weights, keys, indices, scale)
@@ -147,18 +199,19 @@ class CUDAKernels(Kernels):
         self,
         q: torch.Tensor,
         weights: torch.Tensor,
-        keys: torch.Tensor,
+        keys: "torch.Tensor | PackedPool",
         table: torch.Tensor,
         token_seq: torch.Tensor,
         visible: torch.Tensor,
         scale: float,
         k: int,
     ) -> torch.Tensor:
-        """Indexer scores and a running top-k in registers over each token's entries (see ``Kernels.indexer_topk``)."""
+        """Indexer scores (packed keys decoded in registers) and a running top-k in registers over each token's
+        entries (see ``Kernels.indexer_topk``)."""
         n = table.shape[-1]
-        if q.shape[0] == 0 or n == 0 or k < 1 or not _model_dtypes(q, keys):
+        if q.shape[0] == 0 or n == 0 or k < 1 or not _model_dtypes(q, keys) or not readable_pool(keys):
             return super().indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)
-        check_device("indexer_topk", q, weights, keys, table, token_seq, visible)
+        check_device("indexer_topk", q, weights, *_storage(keys), table, token_seq, visible)
         from .triton_long_context import MAX_TOPK, indexer_topk, topk_width
 
         if topk_width(k, n) > MAX_TOPK:  # wider than the registers hold: the reference, tiled too
@@ -168,7 +221,7 @@ class CUDAKernels(Kernels):
     def entry_attention(
         self,
         q: torch.Tensor,
-        kv: torch.Tensor,
+        kv: "torch.Tensor | PackedPool",
         indices: torch.Tensor,
         table: torch.Tensor,
         token_seq: torch.Tensor,
@@ -176,10 +229,11 @@ class CUDAKernels(Kernels):
         sinks: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """Online-softmax attention with sinks over listed rows, then visible entries (see ``Kernels.entry_attention``)."""
-        if q.shape[0] == 0 or table.shape[-1] == 0 or not _model_dtypes(q, kv):
+        """Online-softmax attention with sinks over listed rows, then visible entries (a packed pool's rows decoded in
+        registers; see ``Kernels.entry_attention``)."""
+        if q.shape[0] == 0 or table.shape[-1] == 0 or not _model_dtypes(q, kv) or not readable_pool(kv):
             return super().entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale)
-        check_device("entry_attention", q, kv, indices, table, token_seq, visible, sinks)
+        check_device("entry_attention", q, *_storage(kv), indices, table, token_seq, visible, sinks)
         from .triton_long_context import entry_attention
 
         return entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale)

@@ -12,6 +12,11 @@ the reference defines it.
 When tokens × head blocks cannot fill the GPU (decode), each token's index
 list is cut into slices handled by separate programs; a second kernel merges
 the slices' (max, sum, unnormalised output) and adds the sink.
+
+The pool may be a ``PackedPool`` of one or two regions (``pool_operand``):
+each gathered row's record is decoded in registers (``triton_records.pool_rows``)
+and rounded to the query's dtype, as the reference's decoded rows are; such
+launches take tiles of at most 32 rows (``PACKED_ROWS``).
 """
 
 from __future__ import annotations
@@ -20,23 +25,47 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_interfaces import PackedPool
+
 from .launch import Tiles, autotune_configs, choose, next_power_of_2, unit_inner
+from .pool_operand import kernel_pool
 from .triton_common import dot_operands, split_count, target_programs
+from .triton_records import pool_rows
 
 #: log2(e): scores and sinks are kept in the log2 domain so the softmax uses exp2
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
+#: ``(BLOCK_N, warps, stages)`` over the rows of a plain pool
+PLAIN_ROWS = ((32, 4, 2), (64, 4, 2), (32, 8, 3), (64, 8, 3))
+#: over packed records, which are decoded in registers: at most 32 rows a tile, on 8 warps (wider tiles, or 32 rows
+#: on 4 warps, spill at V4-Flash's 512-wide heads)
+PACKED_ROWS = ((16, 8, 3), (32, 8, 3))
+
+
+def row_config(config: triton.Config) -> tuple[int, int, int]:
+    """``(BLOCK_N, warps, stages)`` of an autotune config."""
+    return config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
 def _configs() -> list[triton.Config]:
     return autotune_configs(
-        [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in ((32, 4, 2), (64, 4, 2), (32, 8, 3), (64, 8, 3))],
+        [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in dict.fromkeys(PLAIN_ROWS + PACKED_ROWS)],
         triton.Config({"BLOCK_N": 4}, num_warps=1),
     )
 
 
-def _prune(configs: list[triton.Config], nargs: dict, **_: object) -> list[triton.Config]:
-    """Small heads (tests, tiny models) take the first config instead of benchmarking them all."""
-    return configs[:1] if nargs["D"] <= 64 else configs
+def keep_configs(configs: list[triton.Config], rows: tuple[tuple[int, int, int], ...]) -> list[triton.Config]:
+    """The configs among ``rows`` (the first config where none is: the interpreter's one)."""
+    return [c for c in configs if row_config(c) in rows] or configs[:1]
+
+
+def _prune(configs: list[triton.Config], nargs: dict, **constants: object) -> list[triton.Config]:
+    """Small heads (tests, tiny models) take the first config instead of benchmarking them all; otherwise the
+    configs of plain rows or of packed records (``REGIONS`` > 0)."""
+    if nargs["D"] <= 64:
+        return configs[:1]
+    return keep_configs(configs, PACKED_ROWS if constants.get("REGIONS") else PLAIN_ROWS)
 
 
 #: slice lengths are multiples of this, so every BLOCK_N of the configs divides them
@@ -108,13 +137,14 @@ def softmax_store(
         tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.autotune(configs=_configs(), key=["H", "D", "SPLIT"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=["H", "D", "SPLIT", "REGIONS", "F0", "F1"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, part_m_ptr, part_l_ptr,
+    q_ptr, kv_ptr, kv2_ptr, idx_ptr, sink_ptr, out_ptr, part_m_ptr, part_l_ptr,
     H, D, K, N, SLICE, qk_scale,
-    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kv, stride_kv2, SPLIT_ROW, stride_it, stride_ot, stride_oh,
     SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    REGIONS: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     t, sl, heads, h_ok, d, d_ok, q = head_block_query(q_ptr, H, D, stride_qt, stride_qh, DOT, BLOCK_H, BLOCK_D)
@@ -125,8 +155,8 @@ def _sparse_attention_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + t * stride_it + n, mask=n < end, other=-1)
         ok = (idx >= 0) & (idx < N)
-        rows = tl.load(
-            kv_ptr + idx[:, None] * stride_kv + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
+        rows = pool_rows(
+            kv_ptr, kv2_ptr, idx, ok, d, d_ok, stride_kv, stride_kv2, SPLIT_ROW, q_ptr.dtype.element_ty, REGIONS, F0, F1,
         ).to(DOT)
         m_i, l_i, acc = softmax_absorb(q, rows, ok, m_i, l_i, acc, qk_scale, DOT, PREC)
     softmax_store(out_ptr, part_m_ptr, part_l_ptr, m_i, l_i, acc, t, sl, heads, h_ok, d, d_ok, H, D, stride_ot, stride_oh, SPLIT)
@@ -185,10 +215,11 @@ def attention_slices(tokens: int, heads: int, k: int, target: int) -> tuple[int,
 
 
 def check_attention_shapes(
-    op: str, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, rows: str = "N"
+    op: str, q: torch.Tensor, kv: "torch.Tensor | PackedPool", indices: torch.Tensor, sinks: torch.Tensor, rows: str = "N"
 ) -> None:
-    """One line naming the mismatch when ``q [T, H, D]``, ``kv [rows, D]``, ``indices [T, K]`` and ``sinks [H]`` disagree."""
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+    """One line naming the mismatch when ``q [T, H, D]``, ``kv [rows, D]`` (a tensor or a packed pool), ``indices [T, K]``
+    and ``sinks [H]`` disagree."""
+    if q.dim() != 3 or len(kv.shape) != 2 or indices.dim() != 2:
         raise ValueError(f"{op}: need q [T, H, D], kv [{rows}, D], indices [T, K]; got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}")
     tokens, heads, dim = q.shape
     if kv.shape[1] != dim or indices.shape[0] != tokens or tuple(sinks.shape) != (heads,):
@@ -198,12 +229,15 @@ def check_attention_shapes(
         )
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """``Kernels.sparse_attention`` on the device for ``T >= 1`` tokens and ``K >= 1`` indices."""
+def sparse_attention(
+    q: torch.Tensor, kv: "torch.Tensor | PackedPool", indices: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``Kernels.sparse_attention`` on the device for ``T >= 1`` tokens and ``K >= 1`` indices; ``kv`` plain rows or
+    packed records (decoded in registers)."""
     check_attention_shapes("sparse_attention", q, kv, indices, sinks)
     tokens, heads, dim = q.shape
     q = unit_inner(q)
-    kv = unit_inner(kv)
+    pool = kernel_pool("sparse_attention", q, kv)
     indices = indices.to(torch.int64)
     indices = unit_inner(indices)
     sinks = sinks.contiguous()
@@ -213,13 +247,14 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     head_blocks = triton.cdiv(heads, tiles.blocks["BLOCK_H"])
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     splits, slice_len = attention_slices(tokens, heads, k, target_programs(q.device))
-    common = dict(DOT=dot, PREC=prec, **tiles.kwargs())
+    common = dict(DOT=dot, PREC=prec, **pool.constants(), **tiles.kwargs())
     qk_scale = float(scale) * LOG2E.value
+    kv, kv2, stride_kv, stride_kv2, split_row = pool.args()
     if splits == 1:
         _sparse_attention_kernel[(head_blocks * tokens, 1)](
-            q, kv, indices, sinks, out, out, out,
-            heads, dim, k, kv.shape[0], k, qk_scale,
-            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+            q, kv, kv2, indices, sinks, out, out, out,
+            heads, dim, k, pool.rows, k, qk_scale,
+            q.stride(0), q.stride(1), stride_kv, stride_kv2, split_row, indices.stride(0), out.stride(0), out.stride(1),
             SPLIT=False, **common,
         )
         return out
@@ -227,9 +262,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     part_m = torch.empty(tokens, splits, heads, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     _sparse_attention_kernel[(head_blocks * tokens, splits)](
-        q, kv, indices, sinks, part, part_m, part_l,
-        heads, dim, k, kv.shape[0], slice_len, qk_scale,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), part.stride(0), part.stride(2),
+        q, kv, kv2, indices, sinks, part, part_m, part_l,
+        heads, dim, k, pool.rows, slice_len, qk_scale,
+        q.stride(0), q.stride(1), stride_kv, stride_kv2, split_row, indices.stride(0), part.stride(0), part.stride(2),
         SPLIT=True, **common,
     )
     _merge_slices_kernel[(head_blocks * tokens,)](

@@ -4,7 +4,8 @@ A program takes one token and a tile of ``BLOCK_N`` candidate entries: it
 gathers their key rows (contiguous, coalesced), multiplies them by all of the
 token's indexer heads at once (``[H, D] × [D, BLOCK_N]``) and reduces over the
 heads in registers, so the ``[T, H, K]`` intermediate of the reference never
-reaches memory. Top-k stays in torch (``Kernels.topk_select``).
+reaches memory. Top-k stays in torch (``Kernels.topk_select``). Keys of a
+``PackedPool`` are decoded in registers (``triton_records.pool_rows``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_interfaces import PackedPool
+
 from .launch import Tiles, autotune_configs, next_power_of_2, unit_inner
+from .pool_operand import kernel_pool
 from .triton_common import dot_operands
+from .triton_records import pool_rows
 
 
 def _configs() -> list[triton.Config]:
@@ -46,21 +51,26 @@ def indexer_query(
 
 
 @triton.jit
-def indexer_row_scores(q, w, keys_ptr, row, ok, d, d_ok, stride_k, scale, DOT: tl.constexpr, PREC: tl.constexpr):
+def indexer_row_scores(
+    q, w, keys_ptr, keys2_ptr, row, ok, d, d_ok, stride_k, stride_k2, split, scale,
+    ROWS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, REGIONS: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr,
+):
     """``[BLOCK_N]`` head-summed ReLU scores of the key rows ``row`` (rows not ``ok`` read as zeros; the
-    caller masks them): every head at once, ``[H, D] × [D, BLOCK_N]``."""
-    rows = tl.load(keys_ptr + row[:, None] * stride_k + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+    caller masks them): every head at once, ``[H, D] × [D, BLOCK_N]``. Keys are plain rows or packed records
+    (``triton_records.pool_rows``), read as ``ROWS``."""
+    rows = pool_rows(keys_ptr, keys2_ptr, row, ok, d, d_ok, stride_k, stride_k2, split, ROWS, REGIONS, F0, F1).to(DOT)
     dots = tl.dot(q, tl.trans(rows), input_precision=PREC)  # [H, BLOCK_N]
     return tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
 
 
-@triton.autotune(configs=_configs(), key=["H", "D"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=["H", "D", "REGIONS", "F0", "F1"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _indexer_scores_kernel(
-    q_ptr, w_ptr, keys_ptr, idx_ptr, out_ptr,
+    q_ptr, w_ptr, keys_ptr, keys2_ptr, idx_ptr, out_ptr,
     H, D, K, N, scale,
-    stride_qt, stride_qh, stride_wt, stride_k, stride_it, stride_ot,
-    DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_qt, stride_qh, stride_wt, stride_k, stride_k2, SPLIT_ROW, stride_it, stride_ot,
+    DOT: tl.constexpr, PREC: tl.constexpr, REGIONS: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -69,7 +79,11 @@ def _indexer_scores_kernel(
     n_ok = n < K
     idx = tl.load(idx_ptr + t * stride_it + n, mask=n_ok, other=-1)
     ok = (idx >= 0) & (idx < N)
-    score = tl.where(ok, indexer_row_scores(q, w, keys_ptr, idx, ok, d, d_ok, stride_k, scale, DOT, PREC), float("-inf"))
+    score = indexer_row_scores(
+        q, w, keys_ptr, keys2_ptr, idx, ok, d, d_ok, stride_k, stride_k2, SPLIT_ROW, scale, q_ptr.dtype.element_ty, DOT, PREC,
+        REGIONS, F0, F1,
+    )
+    score = tl.where(ok, score, float("-inf"))
     tl.store(out_ptr + t * stride_ot + n, score, mask=n_ok)
 
 
@@ -79,9 +93,12 @@ def indexer_tiles(heads: int, dim: int) -> Tiles:
     return Tiles({"BLOCK_H": next_power_of_2(heads), "BLOCK_D": max(16, next_power_of_2(dim))})
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
-    """``Kernels.indexer_scores`` on the device for ``T >= 1`` tokens and ``K >= 1`` candidates; fp32 scores."""
-    if q.dim() != 3 or weights.dim() != 2 or keys.dim() != 2 or indices.dim() != 2:
+def indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: "torch.Tensor | PackedPool", indices: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``Kernels.indexer_scores`` on the device for ``T >= 1`` tokens and ``K >= 1`` candidates; fp32 scores.
+    ``keys`` plain rows or packed records (decoded in registers)."""
+    if q.dim() != 3 or weights.dim() != 2 or len(keys.shape) != 2 or indices.dim() != 2:
         raise ValueError(
             f"indexer_scores: need q [T, H, D], weights [T, H], keys [N, D], indices [T, K]; got "
             f"{tuple(q.shape)}, {tuple(weights.shape)}, {tuple(keys.shape)}, {tuple(indices.shape)}"
@@ -93,7 +110,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, i
             f"got {tuple(weights.shape)}, {tuple(keys.shape)}, {tuple(indices.shape)}"
         )
     q = unit_inner(q)
-    keys = unit_inner(keys)
+    pool = kernel_pool("indexer_scores", q, keys)
     weights = unit_inner(weights)
     indices = indices.to(torch.int64)
     indices = unit_inner(indices)
@@ -101,10 +118,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, i
     out = torch.empty(tokens, k, dtype=torch.float32, device=q.device)
     dot, prec = dot_operands(q.dtype)
     grid = lambda meta: (tokens, triton.cdiv(k, meta["BLOCK_N"]))  # noqa: E731
+    keys, keys2, stride_k, stride_k2, split_row = pool.args()
     _indexer_scores_kernel[grid](
-        q, weights, keys, indices, out,
-        heads, dim, k, keys.shape[0], float(scale),
-        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), indices.stride(0), out.stride(0),
-        DOT=dot, PREC=prec, **indexer_tiles(heads, dim).kwargs(),
+        q, weights, keys, keys2, indices, out,
+        heads, dim, k, pool.rows, float(scale),
+        q.stride(0), q.stride(1), weights.stride(0), stride_k, stride_k2, split_row, indices.stride(0), out.stride(0),
+        DOT=dot, PREC=prec, **pool.constants(), **indexer_tiles(heads, dim).kwargs(),
     )
     return out

@@ -21,6 +21,9 @@ reference (itself tiled). Output columns past ``K_PAD`` are ``-1`` (no token has
 ``entry_attention``: ``triton_attention``'s online softmax with the sink as the starting maximum, over one
 virtual list per token: its ``K`` listed rows, then its visible entries' rows. Split slices reuse
 ``triton_attention``'s merge kernel (which adds the sink).
+
+Both read plain pools or ``PackedPool``s of one or two regions, whose records they decode in registers
+(``triton_records.pool_rows``).
 """
 
 from __future__ import annotations
@@ -29,14 +32,17 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_interfaces import PackedPool
+
 from .launch import Tiles, autotune_configs, choose, next_power_of_2, num_warps_for, unit_inner
+from .pool_operand import kernel_pool
 from .triton_attention import (
-    LOG2E, _merge_slices_kernel, _prune, attention_slices, attention_tiles, check_attention_shapes, head_block_query, merge_tiles,
-    softmax_absorb,
-    softmax_start, softmax_store,
+    LOG2E, PACKED_ROWS, _merge_slices_kernel, attention_slices, attention_tiles, check_attention_shapes, head_block_query,
+    keep_configs, merge_tiles, softmax_absorb, softmax_start, softmax_store,
 )
 from .triton_common import dot_operands, split_count, target_programs
 from .triton_indexer import indexer_query, indexer_row_scores, indexer_tiles
+from .triton_records import pool_rows
 
 #: the widest running top-k the fused kernel keeps in registers (V4-Flash's index_topk is 512)
 MAX_TOPK = 2048
@@ -85,10 +91,10 @@ def _store_entries(out_ptr, best, TOPK, K_PAD: tl.constexpr):
 
 @triton.jit
 def _indexer_topk_kernel(
-    q_ptr, w_ptr, keys_ptr, table_ptr, seq_ptr, vis_ptr, out_ptr,
+    q_ptr, w_ptr, keys_ptr, keys2_ptr, table_ptr, seq_ptr, vis_ptr, out_ptr,
     H, D, N, P, TOPK, SLICE, scale,
-    stride_qt, stride_qh, stride_wt, stride_k, stride_tb, stride_ot,
-    SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    stride_qt, stride_qh, stride_wt, stride_k, stride_k2, SPLIT_ROW, stride_tb, stride_ot,
+    SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, REGIONS: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -108,7 +114,10 @@ def _indexer_topk_kernel(
             seen = j < end
             row = tl.load(table_ptr + seq * stride_tb + j, mask=seen, other=-1)
             ok = seen & (row >= 0) & (row < P)
-            score = indexer_row_scores(q, w, keys_ptr, row, ok, d, d_ok, stride_k, scale, DOT, PREC)
+            score = indexer_row_scores(
+                q, w, keys_ptr, keys2_ptr, row, ok, d, d_ok, stride_k, stride_k2, SPLIT_ROW, scale, q_ptr.dtype.element_ty,
+                DOT, PREC, REGIONS, F0, F1,
+            )
             key = tl.where(ok, _score_keys(score, j), SENTINEL)
             tile = tl.where(sub[:, None] == s, key[None, :], tile)
         best = _merge_best(best, tl.reshape(tile, [K_PAD]), TOPK, K_PAD)
@@ -168,12 +177,13 @@ def _check_tables(op: str, tokens: int, table: torch.Tensor, token_seq: torch.Te
 
 
 def indexer_topk(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, token_seq: torch.Tensor,
+    q: torch.Tensor, weights: torch.Tensor, keys: "torch.Tensor | PackedPool", table: torch.Tensor, token_seq: torch.Tensor,
     visible: torch.Tensor, scale: float, k: int,
 ) -> torch.Tensor:
     """``Kernels.indexer_topk`` on the device for ``T >= 1`` tokens, ``N >= 1`` entries and ``1 <= k``,
-    ``next_power_of_2(min(k, N)) <= MAX_TOPK``. Allocates ``[T, k]`` (and ``[T, S <= 32, K_PAD]`` at decode), never ``[T, N]``."""
-    if q.dim() != 3 or weights.dim() != 2 or keys.dim() != 2:
+    ``next_power_of_2(min(k, N)) <= MAX_TOPK``; ``keys`` plain rows or packed records (decoded in registers).
+    Allocates ``[T, k]`` (and ``[T, S <= 32, K_PAD]`` at decode), never ``[T, N]``."""
+    if q.dim() != 3 or weights.dim() != 2 or len(keys.shape) != 2:
         raise ValueError(
             f"indexer_topk: need q [T, H, D], weights [T, H], keys [P, D]; "
             f"got {tuple(q.shape)}, {tuple(weights.shape)}, {tuple(keys.shape)}"
@@ -187,7 +197,8 @@ def indexer_topk(
     n = table.shape[1]
     if k < 1 or n < 1 or topk_width(k, n) > MAX_TOPK:
         raise ValueError(f"indexer_topk: need k >= 1, N >= 1 and next_power_of_2(min(k, N)) <= {MAX_TOPK}; got k={k}, N={n}")
-    q, keys, weights = unit_inner(q), unit_inner(keys), unit_inner(weights)
+    q, weights = unit_inner(q), unit_inner(weights)
+    pool = kernel_pool("indexer_topk", q, keys)
     table = unit_inner(table.to(torch.int64))
     token_seq, visible = token_seq.to(torch.int64).contiguous(), visible.to(torch.int64).contiguous()
     tiles = topk_tiles(heads, dim, k, n, q.dtype)
@@ -198,11 +209,12 @@ def indexer_topk(
     dot, prec = dot_operands(q.dtype)
     splits, slice_len = topk_slices(tokens, k, n, target_programs(q.device))
     part = torch.empty(tokens, splits, k_pad, dtype=torch.int64, device=q.device) if splits > 1 else out
+    keys, keys2, stride_k, stride_k2, split_row = pool.args()
     _indexer_topk_kernel[(tokens, splits)](
-        q, weights, keys, table, token_seq, visible, part,
-        heads, dim, n, keys.shape[0], k, slice_len, float(scale),
-        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0), out.stride(0),
-        SPLIT=splits > 1, DOT=dot, PREC=prec, **tiles.kwargs(),
+        q, weights, keys, keys2, table, token_seq, visible, part,
+        heads, dim, n, pool.rows, k, slice_len, float(scale),
+        q.stride(0), q.stride(1), weights.stride(0), stride_k, stride_k2, split_row, table.stride(0), out.stride(0),
+        SPLIT=splits > 1, DOT=dot, PREC=prec, **pool.constants(), **tiles.kwargs(),
     )
     if splits > 1:
         _topk_merge_kernel[(tokens,)](part, out, splits, k, out.stride(0), **topk_merge_tiles(k, n).kwargs())
@@ -213,37 +225,39 @@ def indexer_topk(
 
 
 #: the one config of fp32 operands (twice the registers of 16-bit ones) at wide heads
-_FP32_ROWS = 16
+_FP32_ROWS = (16, 8, 3)
+#: ``triton_attention``'s configs of plain rows less 64 rows on 4 warps, which spills at V4-Flash's 512-wide heads
+_PLAIN_ROWS = ((32, 4, 2), (32, 8, 3), (64, 8, 3))
 
 
 def _attention_configs() -> list[triton.Config]:
-    """``triton_attention``'s configs less 64 rows on 4 warps, which spills at V4-Flash's 512-wide heads, and
-    ``_FP32_ROWS`` rows on 8 warps for fp32 operands."""
-    rows = ((32, 4, 2), (32, 8, 3), (64, 8, 3), (_FP32_ROWS, 8, 3))
+    """The configs of plain rows, ``_FP32_ROWS`` and ``triton_attention``'s configs of packed records."""
+    rows = dict.fromkeys(_PLAIN_ROWS + (_FP32_ROWS,) + PACKED_ROWS)
     return autotune_configs(
         [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in rows],
         triton.Config({"BLOCK_N": 4}, num_warps=1),
     )
 
 
-def _attention_prune(configs: list[triton.Config], nargs: dict, **kwargs: object) -> list[triton.Config]:
-    """``triton_attention``'s pruning (small heads: the first config); at wide heads the ``_FP32_ROWS`` config
-    for fp32 operands only, the others for 16-bit ones (fp32 spills on them)."""
-    configs = _prune(configs, nargs, **kwargs)
-    if len(configs) > 1:
-        fp32 = nargs["q_ptr"].dtype == torch.float32
-        configs = [c for c in configs if (c.kwargs["BLOCK_N"] == _FP32_ROWS) == fp32]
-    return configs
+def _attention_prune(configs: list[triton.Config], nargs: dict, **constants: object) -> list[triton.Config]:
+    """Small heads: the first config; at wide heads ``_FP32_ROWS`` for fp32 operands, else the configs of plain rows
+    or of packed records (``REGIONS`` > 0)."""
+    if nargs["D"] <= 64:
+        return configs[:1]
+    if nargs["q_ptr"].dtype == torch.float32:
+        return keep_configs(configs, (_FP32_ROWS,))
+    return keep_configs(configs, PACKED_ROWS if constants.get("REGIONS") else _PLAIN_ROWS)
 
 
-
-@triton.autotune(configs=_attention_configs(), key=["H", "D", "SPLIT"], prune_configs_by={"early_config_prune": _attention_prune})
+@triton.autotune(
+    configs=_attention_configs(), key=["H", "D", "SPLIT", "REGIONS", "F0", "F1"], prune_configs_by={"early_config_prune": _attention_prune},
+)
 @triton.jit
 def _entry_attention_kernel(
-    q_ptr, kv_ptr, idx_ptr, table_ptr, seq_ptr, vis_ptr, sink_ptr, out_ptr, part_m_ptr, part_l_ptr,
+    q_ptr, kv_ptr, kv2_ptr, idx_ptr, table_ptr, seq_ptr, vis_ptr, sink_ptr, out_ptr, part_m_ptr, part_l_ptr,
     H, D, K, N, P, SLICE, qk_scale,
-    stride_qt, stride_qh, stride_kv, stride_it, stride_tb, stride_ot, stride_oh,
-    SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    stride_qt, stride_qh, stride_kv, stride_kv2, SPLIT_ROW, stride_it, stride_tb, stride_ot, stride_oh,
+    SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, REGIONS: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     t, sl, heads, h_ok, d, d_ok, q = head_block_query(q_ptr, H, D, stride_qt, stride_qh, DOT, BLOCK_H, BLOCK_D)
@@ -260,21 +274,24 @@ def _entry_attention_kernel(
         entry = tl.load(table_ptr + seq * stride_tb + (n - K), mask=(n >= K) & (n < end), other=-1)
         row = tl.where(listed, idx, entry)
         ok = (row >= 0) & (row < P)
-        rows = tl.load(kv_ptr + row[:, None] * stride_kv + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+        rows = pool_rows(
+            kv_ptr, kv2_ptr, row, ok, d, d_ok, stride_kv, stride_kv2, SPLIT_ROW, q_ptr.dtype.element_ty, REGIONS, F0, F1,
+        ).to(DOT)
         m_i, l_i, acc = softmax_absorb(q, rows, ok, m_i, l_i, acc, qk_scale, DOT, PREC)
     softmax_store(out_ptr, part_m_ptr, part_l_ptr, m_i, l_i, acc, t, sl, heads, h_ok, d, d_ok, H, D, stride_ot, stride_oh, SPLIT)
 
 
 def entry_attention(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, table: torch.Tensor, token_seq: torch.Tensor,
+    q: torch.Tensor, kv: "torch.Tensor | PackedPool", indices: torch.Tensor, table: torch.Tensor, token_seq: torch.Tensor,
     visible: torch.Tensor, sinks: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """``Kernels.entry_attention`` on the device for ``T >= 1`` tokens. Allocates the ``[T, H, D]`` output
-    (and ``[T, S <= 32, H, D]`` fp32 partials at decode), never ``[T, N, ·]``."""
+    """``Kernels.entry_attention`` on the device for ``T >= 1`` tokens; ``kv`` plain rows or packed records (decoded
+    in registers). Allocates the ``[T, H, D]`` output (and ``[T, S <= 32, H, D]`` fp32 partials at decode), never ``[T, N, ·]``."""
     check_attention_shapes("entry_attention", q, kv, indices, sinks, rows="P")
     tokens, heads, dim = q.shape
     _check_tables("entry_attention", tokens, table, token_seq, visible)
-    q, kv = unit_inner(q), unit_inner(kv)
+    q = unit_inner(q)
+    pool = kernel_pool("entry_attention", q, kv)
     indices = unit_inner(indices.to(torch.int64))
     table = unit_inner(table.to(torch.int64))
     token_seq, visible = token_seq.to(torch.int64).contiguous(), visible.to(torch.int64).contiguous()
@@ -286,25 +303,26 @@ def entry_attention(
     head_blocks = triton.cdiv(heads, tiles.blocks["BLOCK_H"])
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     splits, slice_len = attention_slices(tokens, heads, length, target_programs(q.device))
-    common = dict(DOT=dot, PREC=prec, **tiles.kwargs())
+    common = dict(DOT=dot, PREC=prec, **pool.constants(), **tiles.kwargs())
     qk_scale = float(scale) * LOG2E.value
     # an empty list's pointer is never read; pass a live int64 tensor in its place
     tables = (indices if k else token_seq, table if n else token_seq, token_seq, visible, sinks)
-    sizes = (heads, dim, k, n, kv.shape[0])
+    sizes = (heads, dim, k, n, pool.rows)
+    kv, kv2, stride_kv, stride_kv2, split_row = pool.args()
     if splits == 1:
         _entry_attention_kernel[(head_blocks * tokens, 1)](
-            q, kv, *tables, out, out, out, *sizes, length, qk_scale,
-            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), table.stride(0), out.stride(0), out.stride(1),
-            SPLIT=False, **common,
+            q, kv, kv2, *tables, out, out, out, *sizes, length, qk_scale,
+            q.stride(0), q.stride(1), stride_kv, stride_kv2, split_row, indices.stride(0), table.stride(0), out.stride(0),
+            out.stride(1), SPLIT=False, **common,
         )
         return out
     part = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
     part_m = torch.empty(tokens, splits, heads, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     _entry_attention_kernel[(head_blocks * tokens, splits)](
-        q, kv, *tables, part, part_m, part_l, *sizes, slice_len, qk_scale,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), table.stride(0), part.stride(0), part.stride(2),
-        SPLIT=True, **common,
+        q, kv, kv2, *tables, part, part_m, part_l, *sizes, slice_len, qk_scale,
+        q.stride(0), q.stride(1), stride_kv, stride_kv2, split_row, indices.stride(0), table.stride(0), part.stride(0),
+        part.stride(2), SPLIT=True, **common,
     )
     _merge_slices_kernel[(head_blocks * tokens,)](
         part, part_m, part_l, sinks, out, heads, dim, splits, out.stride(0), out.stride(1),

@@ -130,6 +130,28 @@ def test_the_sizes_are_deepseek_v4_flash() -> None:
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 
+_FORMATS = textwrap.dedent(
+    """
+    from deepinfer.models.registry import parse_config
+    from deepinfer_cuda.compile_check import PACKED
+    from tests.helpers.published import V4_FLASH, V41_FLASH
+
+    v4, v41 = parse_config(V4_FLASH), parse_config(V41_FLASH)
+    fp8, fp8_float = v4.kv_cache_formats("fp8"), v4.packed_cache_formats("float")
+    v41_fp8 = v41.kv_cache_formats("fp8")
+    got = (PACKED.v4_kv, PACKED.v4_kv, PACKED.v4_index, PACKED.v4_kv_fp32, PACKED.v41_window, PACKED.v41_entry, PACKED.v41_index)
+    want = (fp8.window, fp8.entry, fp8.index, fp8_float.window, v41_fp8.window, v41_fp8.entry, v41_fp8.index)
+    assert got == want, (got, want)
+    print("ok")
+    """
+)
+
+
+def test_the_packed_formats_are_the_engines() -> None:
+    proc = _python(["-c", _FORMATS], timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("DEEPINFER_COMPILE_SWEEP") != "1",

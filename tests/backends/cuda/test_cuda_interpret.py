@@ -25,9 +25,9 @@ OWN_OPS = {
     "fp8_linear", "moe_experts_quantized",
     # DeepSeek V4.1: its hyper-connections, two-level top-k and Engram
     "mhc_mix", "mhc_collapse", "candidate_blocks", "engram_hash", "engram_lookup", "engram_inject",
+    # packed cache records
+    "kv_pack", "kv_unpack", "hadamard",
 }
-
-
 def _run(args: list[str], interpret: bool, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)

@@ -1,8 +1,11 @@
-"""``deepinfer generate --backend cpu --kernels cuda|ascend --interpret`` gives the reference's greedy text."""
+"""``deepinfer generate --backend cpu --kernels cuda|ascend --interpret`` gives the reference's greedy text, and the
+CUDA kernels do with a packed FP8/FP4 cache too (``--kv-cache-dtype fp8``: records written, decoded in the attention
+and indexer kernels)."""
 
 import pytest
 
 from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.interpret_sweep import full_sweep
 from tests.helpers.plugins import run_cli
 
 
@@ -33,3 +36,15 @@ def reference(ckpt):
 @pytest.mark.parametrize("kernels", ["cuda", "ascend"])
 def test_interpreted_kernel_set_matches_reference(ckpt, reference, kernels):
     assert _generate(ckpt, "--kernels", kernels, "--interpret") == reference
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not full_sweep(),
+    reason="~30 s under the interpreter; tests/backends/cuda/test_cuda_packed_kv.py checks each packed op, "
+    "DEEPINFER_FULL_INTERPRET_SWEEP=1 runs the whole model too",
+)
+def test_interpreted_cuda_kernels_match_reference_on_a_packed_cache(ckpt):
+    packed = _generate(ckpt, "--kernels", "reference", "--kv-cache-dtype", "fp8")
+    assert packed.strip()
+    assert _generate(ckpt, "--kernels", "cuda", "--interpret", "--kv-cache-dtype", "fp8") == packed
