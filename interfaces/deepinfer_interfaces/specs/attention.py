@@ -59,7 +59,7 @@ def _packed_cases(g: torch.Generator) -> list[Case]:
         Case("packed_v41_d512_entries_and_window_t2_h8", _packed(g, 2, 8, v41, 96)),
         Case("one_token_packed_v41_d512_h16", _packed(g, 1, 16, v41, 160)),
         Case("packed_small_two_regions_t5_h4", _packed(g, 5, 4, [(20, SMALL_ENTRY), (12, SMALL_WINDOW)], 9)),
-        Case("packed_small_kv_rope_t3_h2", _packed(g, 3, 2, [(16, SMALL_KV)], 7)),
+        Case("packed_small_kv_rotary_t3_h2", _packed(g, 3, 2, [(16, SMALL_KV)], 7)),
     ]
 
 

@@ -30,7 +30,7 @@ def _packed_cases(g: torch.Generator) -> list[Case]:
         Case("packed_v4_kv_d512_fp32_scales", _packed(g, [(6, V4_KV_FP32)], [5, 1, -1])),
         Case("packed_v41_d512_entries_and_window", _packed(g, v41, [7, -1, 2, 13, 5, 6], zero_row=3)),
         Case("packed_small_two_regions", _packed(g, [(4, SMALL_ENTRY), (5, SMALL_WINDOW)], [8, 0, -1, 4, 3], zero_row=1)),
-        Case("packed_small_kv_rope", _packed(g, [(7, SMALL_KV)], [6, 2])),
+        Case("packed_small_kv_rotary", _packed(g, [(7, SMALL_KV)], [6, 2])),
         Case("packed_all_slots_minus_one", _packed(g, v41, [-1, -1])),
         Case("packed_one_row_v41_window", _packed(g, v41, [9])),
         Case("packed_empty_batch", _packed(g, v41, [])),

@@ -38,7 +38,7 @@ FORMATS: dict[str, KVFormat] = {
     "v41_window_fp8_d512": V41_WINDOW,
     "v41_entry_fp4_d512": V41_ENTRY,
     "v41_index_fp4_d128": V41_INDEX,
-    "small_kv_fp8_d32_rope8": SMALL_KV,
+    "small_kv_fp8_d32_rot8": SMALL_KV,
     "small_kv_fp8_fp32_scales_d32": SMALL_KV_FP32,
     "small_window_fp8_d32": SMALL_WINDOW,
     "small_entry_fp4_d32": SMALL_ENTRY,
