@@ -472,8 +472,10 @@ class Engine:
 
     # ----- outputs -----
 
-    def output(self, req: Request) -> RequestOutput:
-        """A snapshot of the output so far of ``req``'s prompt: one completion per sibling."""
+    def output(self, req: Request, prompt_ids: bool = True) -> RequestOutput:
+        """A snapshot of the output so far of ``req``'s prompt: one completion per sibling. ``prompt_ids``
+        False leaves its ``prompt_token_ids`` empty, sparing a copy of the whole prompt (a streaming server
+        sends them once, with the request's last output)."""
         completions = [
             CompletionOutput(
                 index=r.index,
@@ -493,7 +495,7 @@ class Engine:
         return RequestOutput(
             request_id=first.request_id,
             prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids.tolist(),
+            prompt_token_ids=first.prompt_token_ids.tolist() if prompt_ids else [],
             prompt_logprobs=prompt_lps,
             outputs=completions,
             finished=req.all_finished,
