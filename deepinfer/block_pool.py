@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,20 +27,19 @@ class Block:
     block_hash: int | None = None
 
 
-def chain_hashes(token_ids: list[int], block_size: int, salt: object = None, start: int = 0, parent: int | None = None) -> list[int]:
-    """Hashes of the full blocks of ``token_ids`` from block ``start``, each chained to its predecessor
-    (128-bit integers, stable across processes)."""
+def chain_hashes(
+    token_ids: Sequence[int], block_size: int, salt: object = None, start: int = 0, parent: int | None = None
+) -> list[int]:
+    """Hashes of the full blocks of ``token_ids`` (a list or a ``token_array``) from block ``start``, each
+    chained to its predecessor (``parent``: the hash before block ``start``), as 128-bit integers stable
+    across processes. Each block's ids are hashed as 64-bit little-endian integers, read one block at a time."""
     end = len(token_ids) // block_size
-    if end <= start:
-        return []
-    tokens = np.asarray(token_ids[start * block_size : end * block_size], dtype="<i8").tobytes()
     key = hashlib.blake2b(repr(salt).encode(), digest_size=32).digest() if salt is not None else b""
-    step = 8 * block_size
     out = []
-    for b in range(end - start):
+    for b in range(start, end):
         h = hashlib.blake2b(digest_size=16, key=key)
         h.update((parent or 0).to_bytes(16, "little"))
-        h.update(tokens[b * step : (b + 1) * step])
+        h.update(np.asarray(token_ids[b * block_size : (b + 1) * block_size], dtype="<i8").tobytes())
         parent = int.from_bytes(h.digest(), "little")
         out.append(parent)
     return out

@@ -14,7 +14,8 @@ class IncrementalDetokenizer:
     Decodes a short window of previous tokens together with the new ones and
     emits only the text that is new and complete: a delta ending in U+FFFD (an
     unfinished UTF-8 sequence split across byte-level tokens) is held back until
-    the next token completes it.
+    the next token completes it. It keeps only that window, not every id (the
+    request holds those).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
@@ -23,7 +24,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
@@ -35,9 +35,8 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            self.text += delta
+            del self.ids[: self.read_offset]  # never decoded again: only the window from here on is kept
+            self.prefix_offset, self.read_offset = 0, len(self.ids)
             return delta
         return ""
 

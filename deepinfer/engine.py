@@ -33,7 +33,7 @@ from .models.registry import check_prompt
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .registry import SelectedBackend, select_backend
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, token_array
 from .sampler import to_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
@@ -226,9 +226,9 @@ class Engine:
                     self.store.policy.class_for(params.cache_class)
                 except ValueError as exc:
                     raise InvalidRequestError(str(exc)) from None
-            ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
-            req.prompt_token_ids = ids
-            self._validate(ids)
+            listed = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+            self._validate(listed)
+            req.prompt_token_ids = ids = token_array(listed)
             if (hold_kv or prefilled is not None) and params.n != 1:
                 raise InvalidRequestError("a disaggregated request has one completion; use n=1", "n")
             if prefilled is not None and prefilled.state.num_tokens != len(ids):
@@ -289,7 +289,7 @@ class Engine:
             raise InvalidRequestError(f"request {request_id!r} holds no cache to export (unknown, running, or already released)")
         slot, table = held
         state = self.executor.call(read, slot, table, len(req.prompt_token_ids)).result()
-        return PrefilledRequest(state, list(req.output_token_ids))
+        return PrefilledRequest(state, req.output_token_ids.tolist())
 
     def release_prefilled(self, request_id: str) -> None:
         """Free the cache a ``hold_kv`` request kept (its blocks stay in the prefix cache)."""
@@ -474,13 +474,15 @@ class Engine:
 
     # ----- outputs -----
 
-    def output(self, req: Request) -> RequestOutput:
-        """A snapshot of the output so far of ``req``'s prompt: one completion per sibling."""
+    def output(self, req: Request, prompt_ids: bool = True) -> RequestOutput:
+        """A snapshot of the output so far of ``req``'s prompt: one completion per sibling. ``prompt_ids``
+        False leaves its ``prompt_token_ids`` empty, sparing a copy of the whole prompt (a streaming server
+        sends them once, with the request's last output)."""
         completions = [
             CompletionOutput(
                 index=r.index,
                 text=r.output_text,
-                token_ids=list(r.output_token_ids),
+                token_ids=r.output_token_ids.tolist(),
                 logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
                 finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason,
@@ -495,7 +497,7 @@ class Engine:
         return RequestOutput(
             request_id=first.request_id,
             prompt=first.prompt,
-            prompt_token_ids=list(first.prompt_token_ids),
+            prompt_token_ids=first.prompt_token_ids.tolist() if prompt_ids else [],
             prompt_logprobs=prompt_lps,
             outputs=completions,
             finished=req.all_finished,

@@ -82,8 +82,9 @@ class EngineClient(Protocol[Handle]):
         """Advance; the requests that gained tokens, finished or were preempted."""
         ...
 
-    def output(self, req: Handle) -> RequestOutput:
-        """A snapshot of the output so far of ``req``'s prompt."""
+    def output(self, req: Handle, prompt_ids: bool = True) -> RequestOutput:
+        """A snapshot of the output so far of ``req``'s prompt (``prompt_ids`` False: it may leave the
+        prompt's ids out)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -16,6 +18,12 @@ if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
     from .kv_transfer.sequence_state import SequenceState
     from .spec_decode.spec_state import SpecState
+
+
+def token_array(ids: Iterable[int] = ()) -> array:
+    """Token ids as 32-bit C integers: 4 bytes a token, where a list costs a pointer and often a Python int
+    (8 to 36 bytes), so a long context's ids stay small next to its cache."""
+    return array("i", ids)
 
 
 class RequestStatus(enum.Enum):
@@ -36,12 +44,14 @@ class Request:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    #: the prompt's ids (``token_array``; a list given here is converted)
+    prompt_token_ids: array
     params: SamplingParams
     #: which of the prompt's ``n`` completions this is
     index: int = 0
     eos_token_id: int | None = None
-    output_token_ids: list[int] = field(default_factory=list)
+    #: the ids sampled so far (``token_array``)
+    output_token_ids: array = field(default_factory=token_array)
     #: tokens (prompt then output) whose state is in the cache, or being computed; advanced by the scheduler only
     num_computed_tokens: int = 0
     #: tokens sampled on the device that the host has not seen yet (overlap scheduling)
@@ -74,6 +84,10 @@ class Request:
     imported: SequenceState | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prompt_token_ids, array):
+            self.prompt_token_ids = token_array(self.prompt_token_ids)
+        if not isinstance(self.output_token_ids, array):
+            self.output_token_ids = token_array(self.output_token_ids)
         if not self.siblings:
             self.siblings = [self]
 
@@ -81,11 +95,6 @@ class Request:
     def seed(self) -> int | None:
         """This completion's generator seed: the request's seed plus its index (None: unseeded)."""
         return None if self.params.seed is None else self.params.seed + self.index
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Every token the host knows: the prompt, then the output so far."""
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -96,15 +105,19 @@ class Request:
     def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def known_tokens(self, start: int, end: int) -> array:
+        """The known tokens (prompt, then output) at positions ``[start, end)``, no further than the host
+        knows: a copy of that range alone, never of the whole context."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     def token_slice(self, start: int, n: int) -> list[int]:
         """Tokens ``[start, start + n)``, with ``PLACEHOLDER`` for positions still pending on the device."""
-        p = len(self.prompt_token_ids)
-        if start + n <= p:
-            known = self.prompt_token_ids[start : start + n]
-        elif start >= p:
-            known = self.output_token_ids[start - p : start - p + n]
-        else:
-            known = self.prompt_token_ids[start:] + self.output_token_ids[: start + n - p]
+        known = self.known_tokens(start, start + n).tolist()
         return known + [PLACEHOLDER] * (n - len(known))
 
     @cached_property

@@ -167,7 +167,8 @@ class ExpertParallelEngine:
             if req is not None and req.all_finished:
                 del self.requests[rid]
 
-    def output(self, req: RemoteRequest) -> RequestOutput:
+    def output(self, req: RemoteRequest, prompt_ids: bool = True) -> RequestOutput:
+        """The latest snapshot its rank reported (with the prompt's ids whatever ``prompt_ids``)."""
         if req.latest is None:
             return RequestOutput(req.request_id, None, [], None, [], False)  # not yet reported by its rank
         return req.latest

@@ -215,7 +215,7 @@ class _EngineLoop:
                 self._transfers()
             if engine.has_unfinished:
                 changed = engine.step()
-                deltas = [self._take(engine.output(r)) for r in changed]
+                deltas = [self._take(engine.output(r, prompt_ids=r.all_finished)) for r in changed]  # sent once, at the end
                 for r, d in zip(changed, deltas):
                     if d.finished and r.hold_kv:
                         self._publish(d)

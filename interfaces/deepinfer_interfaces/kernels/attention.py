@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import acc_dtype, op
-from .tiles import TILE_ELEMENTS, entry_tiles, take_rows, token_tiles
+from .tiles import TILE_ELEMENTS, TILE_TOKENS, TileScratch, entry_tiles, take_rows, token_tiles
 
 
 class AttentionOps:
@@ -82,16 +82,18 @@ class AttentionOps:
             return q.new_zeros(t, h, d)
         acc = acc_dtype(q)
         out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+        run = RunningSoftmax(sinks.to(acc), min(t, TILE_TOKENS), d)
+        scratch = TileScratch(q.device)
         for t0, t1 in token_tiles(t):
             qt = q[t0:t1].to(acc)
-            run = RunningSoftmax(sinks.to(acc), t1 - t0, d)
+            run.start(t1 - t0)
             idx = indices[t0:t1]
             if idx.shape[1]:
                 rows = take_rows(kv, idx).to(acc)
                 scores = torch.bmm(qt, rows.transpose(1, 2)).mul_(scale)
                 run.absorb(scores.masked_fill_((idx < 0)[:, None, :], float("-inf")), lambda p: torch.bmm(p, rows))
-            for tile in entry_tiles(kv, table, token_seq[t0:t1], visible[t0:t1], h, acc):
-                scores = tile.dots(qt).mul_(scale)
+            for tile in entry_tiles(kv, table, token_seq[t0:t1], visible[t0:t1], h, acc, scratch=scratch):
+                scores = tile.dots(qt, scratch).mul_(scale)
                 run.absorb(scores.masked_fill_(tile.invalid[:, None, :], float("-inf")), tile.weighted_rows)
             out[t0:t1] = run.result().to(q.dtype)
         return out
@@ -99,21 +101,34 @@ class AttentionOps:
 
 class RunningSoftmax:
     """A softmax-weighted sum of rows taken in tiles: the running maximum, sum and weighted rows per token
-    and head. The sink starts it (maximum = sink, sum = 1, no value), so it needs no special case."""
+    and head. The sink starts it (maximum = sink, sum = 1, no value), so it needs no special case.
+
+    Its state is allocated once for up to ``tokens`` tokens and updated in place, tile after tile: nothing
+    it keeps is born between two tiles' large intermediates, so their freed memory stays whole for the next."""
 
     def __init__(self, sinks: torch.Tensor, tokens: int, dim: int) -> None:
-        self.top = sinks[None, :].expand(tokens, -1).clone()
-        self.total = torch.ones_like(self.top)
-        self.acc = torch.zeros(tokens, sinks.shape[0], dim, dtype=sinks.dtype, device=sinks.device)
+        self.sinks = sinks
+        self._top = torch.empty(tokens, sinks.shape[0], dtype=sinks.dtype, device=sinks.device)
+        self._total = torch.empty_like(self._top)
+        self._acc = torch.empty(tokens, sinks.shape[0], dim, dtype=sinks.dtype, device=sinks.device)
+        self.start(tokens)
+
+    def start(self, tokens: int) -> None:
+        """Begin a new tile of ``tokens`` tokens (at most the ``tokens`` it was made for)."""
+        self.top, self.total, self.acc = self._top[:tokens], self._total[:tokens], self._acc[:tokens]
+        self.top.copy_(self.sinks[None, :].expand(tokens, -1))
+        self.total.fill_(1.0)
+        self.acc.zero_()
 
     def absorb(self, scores: torch.Tensor, weigh) -> None:
-        """Take in ``scores`` ``[t, H, n]`` (``-inf``: no row); ``weigh(p)`` gives ``Σ_n p · row``."""
+        """Take in ``scores`` ``[t, H, n]`` (``-inf``: no row), overwriting them with their weights;
+        ``weigh(p)`` gives ``Σ_n p · row``."""
         top = torch.maximum(self.top, scores.amax(-1))
         keep = torch.exp(self.top - top)
-        p = torch.exp(scores - top[..., None])
-        self.total = self.total * keep + p.sum(-1)
-        self.acc = self.acc * keep[..., None] + weigh(p)
-        self.top = top
+        p = scores.sub_(top[..., None]).exp_()
+        self.total.mul_(keep).add_(p.sum(-1))
+        self.acc.mul_(keep[..., None]).add_(weigh(p))
+        self.top.copy_(top)
 
     def result(self) -> torch.Tensor:
         return self.acc / self.total[..., None]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .tiles import EntryTile, entry_tiles, take_rows, token_tiles
+from .running_topk import running_topk
+from .tiles import TILE_TOKENS, EntryTile, TileScratch, entry_tiles, take_rows, token_tiles
 from .base import acc_dtype, op
 
 
@@ -92,11 +93,13 @@ class IndexerOps:
             return out
         acc = acc_dtype(q)
         heads = q.shape[1]
+        scratch = TileScratch(q.device)
+        best = running_topk(min(t, TILE_TOKENS), k, acc, q.device, scratch)
         for t0, t1 in token_tiles(t):
             qt, wt = q[t0:t1].to(acc), weights[t0:t1].to(acc)[:, None, :]
-            best = RunningTopk(t1 - t0, k, acc, q.device)
-            for tile in entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc):
-                best.merge(tile_scores(tile, qt, wt, scale), tile.start)
+            best.start(t1 - t0)
+            for tile in entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc, scratch=scratch):
+                best.merge(tile_scores(tile, qt, wt, scale, scratch), tile.start)
             out[t0:t1] = best.entries()
         return out
 
@@ -133,12 +136,14 @@ class IndexerOps:
             return out
         acc = acc_dtype(q)
         heads = q.shape[1]
+        scratch = TileScratch(q.device)
+        best = running_topk(min(t, TILE_TOKENS), topk_blocks, acc, q.device, scratch)
         for t0, t1 in token_tiles(t):
             qt, wt = q[t0:t1].to(acc), weights[t0:t1].to(acc)[:, None, :]
             pinned = torch.div(visible[t0:t1] - 1, block_size, rounding_mode="floor").masked_fill(visible[t0:t1] <= 0, -1)
-            best = RunningTopk(t1 - t0, topk_blocks, acc, q.device)
-            for tile in entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc, align=block_size):
-                scores = tile_scores(tile, qt, wt, scale)
+            best.start(t1 - t0)
+            for tile in entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc, align=block_size, scratch=scratch):
+                scores = tile_scores(tile, qt, wt, scale, scratch)
                 blocks = -(-scores.shape[1] // block_size)
                 padded = torch.nn.functional.pad(scores, (0, blocks * block_size - scores.shape[1]), value=float("-inf"))
                 maxima = padded.view(t1 - t0, blocks, block_size).amax(-1)
@@ -188,50 +193,12 @@ class IndexerOps:
         return kept.repeat_interleave(block_size, dim=1)[:, :n]
 
 
-def tile_scores(tile: EntryTile, q: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+def tile_scores(
+    tile: EntryTile, q: torch.Tensor, weights: torch.Tensor, scale: float, scratch: TileScratch | None = None
+) -> torch.Tensor:
     """``[tt, n]`` indexer scores of a tile's entries (``-inf``: not a candidate) for ``q`` ``[tt, H, D]``
-    and ``weights`` ``[tt, 1, H]``."""
-    scores = torch.bmm(weights, tile.dots(q).relu_()).squeeze(1).mul_(scale)
+    and ``weights`` ``[tt, 1, H]`` (in ``scratch``'s ``"scores"`` buffer when given, valid until the next tile)."""
+    tt, n = q.shape[0], tile.end - tile.start
+    out = scratch.take("scores", (tt, 1, n), q.dtype) if scratch is not None else None
+    scores = torch.bmm(weights, tile.dots(q, scratch).relu_(), out=out).squeeze(1).mul_(scale)
     return scores.masked_fill_(tile.invalid, float("-inf"))
-
-
-class RunningTopk:
-    """The ``k`` best entries seen so far of ``tokens`` rows, merged tile by tile.
-
-    A tile is cut to its own best ``k`` by selection (``torch.topk``), whose
-    order among equal scores is unspecified; the scores tied at the cut are then
-    re-chosen as the lowest-numbered entries with that score (a second selection,
-    over their negated numbers), so the result keeps the tie rule exactly. The
-    small merge with the running best is a stable sort by entry, then by score.
-    """
-
-    def __init__(self, tokens: int, k: int, dtype: torch.dtype, device) -> None:
-        self.k = k
-        self.scores = torch.full((tokens, k), float("-inf"), dtype=dtype, device=device)
-        self.ids = torch.full((tokens, k), -1, dtype=torch.int64, device=device)
-
-    def merge(self, scores: torch.Tensor, first: int) -> None:
-        """Take in ``scores`` ``[tokens, n]`` of the entries ``first …`` (``-inf``: not a candidate)."""
-        n = scores.shape[1]
-        take = min(self.k, n)
-        best, cols = scores.topk(take, dim=1)
-        cut = best[:, -1:]
-        above = best > cut
-        negated = -torch.arange(n, device=scores.device, dtype=scores.dtype)[None, :]
-        tied = torch.where(scores == cut, negated, float("-inf")).topk(take, dim=1).values  # lowest numbers first
-        room = take - above.sum(1, keepdim=True)
-        slot = torch.arange(take, device=scores.device)[None, :]
-        tie_ok = (slot < room) & (tied > float("-inf"))
-        strict = best.masked_fill(~above, float("-inf"))  # the tile's picks above the cut
-        at_cut = cut.expand(-1, take).masked_fill(~tie_ok, float("-inf"))  # and the lowest-numbered ones at it
-        cand_scores = torch.cat([self.scores, strict, at_cut], dim=1)
-        cand_ids = torch.cat([self.ids, cols + first, (-tied).clamp(min=0).to(torch.int64) + first], dim=1)
-        # equal scores in entry order: sort by entry, then stably by score
-        by_id = torch.sort(torch.where(cand_scores > float("-inf"), cand_ids, torch.iinfo(torch.int64).max), dim=1).indices
-        cand_scores, cand_ids = cand_scores.gather(1, by_id), cand_ids.gather(1, by_id)
-        order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, : self.k]
-        self.scores, self.ids = cand_scores.gather(1, order), cand_ids.gather(1, order)
-
-    def entries(self) -> torch.Tensor:
-        """``[tokens, k]`` entry numbers, best first, -1 where no candidate is left."""
-        return torch.where(self.scores > float("-inf"), self.ids, -1)

@@ -12,7 +12,8 @@ unrolls the same loop every replay and nothing is read back from the device.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from math import prod
 
 import torch
 
@@ -30,8 +31,8 @@ def take_rows(pool: "torch.Tensor | PackedPool", indices: torch.Tensor) -> torch
     return pool[indices.clamp(min=0)]
 
 
-#: the elements one tile's largest intermediate may hold (16 MiB in fp32)
-TILE_ELEMENTS = 1 << 22
+#: the elements one tile's largest intermediate may hold (4 MiB in fp32)
+TILE_ELEMENTS = 1 << 20
 #: tokens per tile
 TILE_TOKENS = 256
 #: with this many sequences or fewer a tile's keys are read once per sequence and met by a matmul of
@@ -50,6 +51,26 @@ def entry_tile(tokens: int, seqs: int, heads: int, dim: int, entries: int) -> in
 
 
 @dataclass
+class TileScratch:
+    """Buffers for the largest intermediates of one op's walk over entry tiles, made once per call and reused
+    by every tile, so the walk allocates nothing large per tile. Each buffer's size is rounded up to a power
+    of two: from one step to the next the walk asks for the same few sizes, and memory one step frees is
+    whole for the next (a context that grows by a chunk per step does not leave ever larger holes behind)."""
+
+    device: torch.device
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous ``shape`` tensor of ``dtype`` over buffer ``name`` (its contents are left as they were)."""
+        numel = prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(1 << max(numel - 1, 0).bit_length(), dtype=dtype, device=self.device)
+            self.buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+@dataclass
 class EntryTile:
     """One tile of entries ``[start, end)`` for one tile of tokens."""
 
@@ -62,13 +83,17 @@ class EntryTile:
     #: ``[tt]`` each token's sequence, or None when ``rows`` are per token
     seq: torch.Tensor | None
 
-    def dots(self, q: torch.Tensor) -> torch.Tensor:
-        """``[tt, H, n]``: ``q [tt, H, D]`` against each token's rows of the tile."""
+    def dots(self, q: torch.Tensor, scratch: TileScratch | None = None) -> torch.Tensor:
+        """``[tt, H, n]``: ``q [tt, H, D]`` against each token's rows of the tile (in ``scratch``'s
+        ``"dots"`` buffer when given, except with several sequences' shared keys)."""
         tt, h, d = q.shape
+        n = self.end - self.start
         if self.seq is None:
-            return torch.bmm(q, self.rows.transpose(1, 2))
+            out = scratch.take("dots", (tt, h, n), q.dtype) if scratch is not None else None
+            return torch.bmm(q, self.rows.transpose(1, 2), out=out)
         if self.rows.shape[0] == 1:  # one sequence (a prefill chunk): one matmul
-            return (q.reshape(tt * h, d) @ self.rows[0].T).view(tt, h, -1)
+            out = scratch.take("dots", (tt * h, n), q.dtype) if scratch is not None else None
+            return torch.mm(q.reshape(tt * h, d), self.rows[0].T, out=out).view(tt, h, n)
         every = torch.einsum("thd,bnd->tbhn", q, self.rows)
         pick = self.seq[:, None, None, None].expand(-1, 1, every.shape[2], every.shape[3])
         return every.gather(1, pick).squeeze(1)
@@ -93,11 +118,12 @@ def token_tiles(tokens: int) -> Iterator[tuple[int, int]]:
 
 def entry_tiles(
     pool: torch.Tensor, table: torch.Tensor, seq: torch.Tensor, visible: torch.Tensor, heads: int, dtype: torch.dtype,
-    align: int = 1,
+    align: int = 1, scratch: TileScratch | None = None,
 ) -> Iterator[EntryTile]:
     """The tiles of entries of ``table [B, N]`` seen by a tile of tokens (``seq``, ``visible``: ``[tt]``),
     their rows of ``pool`` read in ``dtype``; ``heads``: scores per token-entry pair; every tile but the
-    last starts and ends on a multiple of ``align`` (whole blocks of entries)."""
+    last starts and ends on a multiple of ``align`` (whole blocks of entries). With ``scratch`` each tile's
+    ``invalid`` mask is its ``"invalid"`` buffer, valid until the next tile."""
     b, n = table.shape
     tt = seq.shape[0]
     step = max(align, entry_tile(tt, b, heads, pool.shape[-1], n) // align * align)
@@ -105,13 +131,15 @@ def entry_tiles(
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         part = table[:, n0:n1]
-        beyond = torch.arange(n0, n1, device=table.device)[None, :] >= visible[:, None]
+        cols = torch.arange(n0, n1, device=table.device)[None, :]
+        invalid = scratch.take("invalid", (tt, n1 - n0), torch.bool) if scratch is not None else None
+        invalid = torch.ge(cols, visible[:, None], out=invalid)
         if shared:
             missing = part < 0
-            invalid = beyond | (missing if b == 1 else missing.index_select(0, seq))
+            invalid.logical_or_(missing if b == 1 else missing.index_select(0, seq))
             rows = take_rows(pool, part)
         else:
             mine = part.index_select(0, seq)
-            invalid = beyond | (mine < 0)
+            invalid.logical_or_(mine < 0)
             rows = take_rows(pool, mine)
         yield EntryTile(n0, n1, invalid, rows.to(dtype), seq if shared else None)
