@@ -55,12 +55,25 @@ def test_128k_prefix_hit_with_exact_replay_continues_the_first_run(runs):
     assert abs(run["hit_logprob"] - run["second_logprob"]) <= 1e-4
 
 
-def test_peak_memory_of_32k_and_128k_prefills_differ_by_at_most_10_percent(runs):
+#: bytes a prefill's peak may grow by per context token, outside the KV pools (fixed by the budget)
+BYTES_PER_TOKEN = 128
+#: the resident high-water mark's noise between two runs (allocator and page timing), allowed on top
+RSS_NOISE_MIB = 4
+
+
+def test_prefill_peak_grows_at_most_128_bytes_per_context_token(runs):
+    """The prefill's peak over the loaded engine, from 32K to 128K tokens: what it adds per extra context
+    token (98,304 of them: 128 bytes each is 12 MiB) beyond a few MiB of noise. The pools are sized by the
+    budget, not the context; anything else that scales with it (host token lists, per-step tables, tiles
+    sized by the entries) shows up here."""
+    growth = {n: r["peak_rss_mib"] - r["rss_before_mib"] for n, r in runs.items()}
+    extra = (growth[131072] - growth[32768]) * (1 << 20)
+    tokens = 131072 - 32768
+    assert extra <= BYTES_PER_TOKEN * tokens + RSS_NOISE_MIB * (1 << 20), (
+        f"{extra / tokens:.0f} bytes per context token (growth {growth[32768]:.1f} MiB at 32K, {growth[131072]:.1f} at 128K)"
+    )
     short, long = runs[32768]["peak_rss_mib"], runs[131072]["peak_rss_mib"]
     assert abs(long - short) <= 0.1 * short, (short, long)
-    # and the prefill's own growth over the loaded engine stays small at 4x the context
-    growth = {n: r["peak_rss_mib"] - r["rss_before_mib"] for n, r in runs.items()}
-    assert growth[131072] <= growth[32768] + 0.1 * runs[32768]["peak_rss_mib"], growth
 
 
 def test_planner_reports_tokens_per_sequence(runs):
