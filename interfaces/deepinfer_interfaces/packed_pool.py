@@ -107,9 +107,3 @@ class PackedPool:
             return
         a, b = self.region_of(src), self.region_of(dst)
         b.data[dst - b.start : dst - b.start + n].copy_(a.data[src - a.start : src - a.start + n])
-
-
-def is_packed(pool: object) -> bool:
-    """True for a ``PackedPool``."""
-    return isinstance(pool, PackedPool)
-

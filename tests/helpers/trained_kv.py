@@ -172,3 +172,16 @@ def check_float32(ckpt: Path, engine: dict, prompt: list[int], tokens: int, orac
     far = agreement(rounded, oracle(rounded.ids, rounding=False)).mean
     assert FP32_SEPARATION * near < far, f"fp32 auto: {near:.2e} from the rounded oracle, {far:.2e} from the unrounded"
     assert prompt_logprob_gap(plain, rounded) > 1e-4
+
+
+def check_preemption(ckpt: Path, engine: dict, prompts: list[list[int]], tokens: int, oracle: Callable[[list[int]], torch.Tensor]) -> None:
+    """A KV budget of ten blocks for eight sequences forces preemption by recompute; every request still gives
+    the rounded oracle's log-probabilities and greedy tokens (``oracle(ids)``: its logits)."""
+    engine = dict(engine, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32, max_prefill_chunk=32)
+    engine["kv_cache_memory"] = kv_budget(ckpt, "auto", torch.float64, step=32, max_len=128, slots=8, blocks=10)
+    llm = LLM(model=str(ckpt), kv_cache_dtype="auto", enable_prefix_caching=False, **engine)
+    done = together(llm, prompts, greedy(tokens, False))
+    assert llm.get_metrics()["preemptions"] > 0
+    for d in done:
+        agree = agreement(d, oracle(d.ids))
+        assert agree.mean <= MEAN_ATOL and agree.same_tokens, str(agree)

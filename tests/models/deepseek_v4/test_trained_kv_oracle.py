@@ -28,7 +28,7 @@ from tests.helpers.checkpoints import BOS_ID, byte_tokens
 from tests.helpers.kv_rounding import e2m1_round, e4m3_round, hadamard
 from tests.helpers.published import DSPARK_FIELDS, make_published_checkpoint
 from tests.helpers.trained_kv import (
-    MEAN_ATOL, agreement, check_float32, check_speculation, greedy, kv_budget, one_by_one, together,
+    MEAN_ATOL, agreement, check_float32, check_preemption, check_speculation, greedy, one_by_one,
 )
 from tests.helpers.v4_oracle import oracle_forward
 
@@ -108,14 +108,7 @@ def test_a_bounded_replay_matches_the_oracles_bounded_replay(ckpt):
 
 def test_preemption_recomputes_the_rounded_state(ckpt):
     prompts = [PREFIX[i:] + byte_tokens(5, 10 + i) for i in range(0, 40, 10)]
-    engine = dict(ENGINE, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32, max_prefill_chunk=32)
-    engine["kv_cache_memory"] = kv_budget(ckpt, "auto", torch.float64, step=32, max_len=128, slots=8, blocks=10)
-    llm = LLM(model=str(ckpt), kv_cache_dtype="auto", enable_prefix_caching=False, **engine)
-    done = together(llm, prompts, greedy(TOKENS, False))
-    assert llm.get_metrics()["preemptions"] > 0
-    for d in done:
-        agree = agreement(d, _oracle(ckpt, d.ids).logits)
-        assert agree.mean <= MEAN_ATOL and agree.same_tokens, str(agree)
+    check_preemption(ckpt, ENGINE, prompts, TOKENS, lambda ids: _oracle(ckpt, ids).logits)
 
 
 def test_speculation_keeps_greedy_output_under_auto(ckpt, auto, tmp_path):

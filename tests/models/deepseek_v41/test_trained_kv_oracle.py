@@ -28,7 +28,7 @@ from deepinfer_interfaces.kv_format import round_rows
 from tests.helpers.kv_rounding import e2m1_round, e4m3_round
 from tests.helpers.tiny_v41_draft import DRAFT_FIELDS, write_tiny_v41_draft
 from tests.helpers.trained_kv import (
-    MEAN_ATOL, agreement, check_float32, check_speculation, greedy, kv_budget, one_by_one, together,
+    MEAN_ATOL, agreement, check_float32, check_preemption, check_speculation, greedy, one_by_one,
 )
 from tests.helpers.v41_oracle import oracle_forward
 
@@ -113,14 +113,7 @@ def test_a_bounded_replay_matches_the_oracles_bounded_replay(ckpt):
 
 def test_preemption_recomputes_the_rounded_state(ckpt):
     prompts = [PREFIX[i:] + _ids(5, 10 + i) for i in range(0, 40, 10)]
-    engine = dict(ENGINE, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32, max_prefill_chunk=32)
-    engine["kv_cache_memory"] = kv_budget(ckpt, "auto", torch.float64, step=32, max_len=128, slots=8, blocks=10)
-    llm = LLM(model=str(ckpt), kv_cache_dtype="auto", enable_prefix_caching=False, **engine)
-    done = together(llm, prompts, greedy(TOKENS, False))
-    assert llm.get_metrics()["preemptions"] > 0
-    for d in done:
-        agree = agreement(d, _oracle(ckpt, d.ids).logits)
-        assert agree.mean <= MEAN_ATOL and agree.same_tokens, str(agree)
+    check_preemption(ckpt, ENGINE, prompts, TOKENS, lambda ids: _oracle(ckpt, ids).logits)
 
 
 def test_speculation_keeps_greedy_output_under_auto(ckpt, auto, tmp_path):
