@@ -8,6 +8,9 @@ used order, until a new allocation evicts them.
 
 The hash is a 128-bit BLAKE2b digest, the same in every process and on every
 machine, so it also names a block in the on-disk store (``deepinfer/kv_store``).
+A block that an image's span reaches into also hashes that image's digest and
+the position its span starts at: the placeholder ids alone do not say what the
+image was, so the same ids with another image name other blocks.
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .multimodal import ImageSpan
 
 
 @dataclass
@@ -28,11 +35,14 @@ class Block:
 
 
 def chain_hashes(
-    token_ids: Sequence[int], block_size: int, salt: object = None, start: int = 0, parent: int | None = None
+    token_ids: Sequence[int], block_size: int, salt: object = None, start: int = 0, parent: int | None = None,
+    images: Sequence[ImageSpan] = (), first_position: int = 0,
 ) -> list[int]:
     """Hashes of the full blocks of ``token_ids`` (a list or a ``token_array``) from block ``start``, each
     chained to its predecessor (``parent``: the hash before block ``start``), as 128-bit integers stable
-    across processes. Each block's ids are hashed as 64-bit little-endian integers, read one block at a time."""
+    across processes. Each block's ids are hashed as 64-bit little-endian integers, read one block at a time,
+    then the digest and start position of every span of ``images`` reaching into it (``first_position``: the
+    sequence position of ``token_ids[0]``)."""
     end = len(token_ids) // block_size
     key = hashlib.blake2b(repr(salt).encode(), digest_size=32).digest() if salt is not None else b""
     out = []
@@ -40,6 +50,11 @@ def chain_hashes(
         h = hashlib.blake2b(digest_size=16, key=key)
         h.update((parent or 0).to_bytes(16, "little"))
         h.update(np.asarray(token_ids[b * block_size : (b + 1) * block_size], dtype="<i8").tobytes())
+        lo = first_position + b * block_size
+        for span in images:
+            if span.overlaps(lo, lo + block_size):
+                h.update(span.digest)
+                h.update(span.offset.to_bytes(8, "little"))
         parent = int.from_bytes(h.digest(), "little")
         out.append(parent)
     return out

@@ -238,7 +238,8 @@ class Engine:
                 )
             if prefilled is not None and (why := storage_mismatch(self.runner.cache, prefilled.state)) is not None:
                 raise InvalidRequestError(why)
-            children = [req] + [Request(f"{request_id}#{i}", text, ids, params, index=i, fork_source=req) for i in range(1, params.n)]
+            children = [req] + [Request(f"{request_id}#{i}", text, ids, params, index=i, fork_source=req, images=req.images)
+                                for i in range(1, params.n)]
             for child in children:
                 child.siblings = children
                 if params.structured_outputs is not None:

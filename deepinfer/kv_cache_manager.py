@@ -60,7 +60,7 @@ class KVCacheManager:
         """
         if req.params.prompt_logprobs is not None:
             return []
-        hashes = chain_hashes(req.known_tokens(0, req.num_known_tokens - 1), self.block_size, self.salt)
+        hashes = chain_hashes(req.known_tokens(0, req.num_known_tokens - 1), self.block_size, self.salt, images=req.images)
         hit = self.pool.lookup(hashes)
         if self.store is not None and len(hit) < len(hashes) and self._probed.get(req.request_id, 0) < len(hashes):
             self._probed[req.request_id] = len(hashes)
@@ -152,7 +152,8 @@ class KVCacheManager:
             start = len(hashes)
             parent = hashes[-1] if hashes else None
             new = req.known_tokens(start * self.block_size, full * self.block_size)  # the newly full blocks alone
-            hashes.extend(chain_hashes(new, self.block_size, self.salt, parent=parent))
+            hashes.extend(chain_hashes(new, self.block_size, self.salt, parent=parent, images=req.images,
+                                       first_position=start * self.block_size))
             table = self.tables[req.request_id]
             for i in range(start, full):
                 named = self.pool.register(table[i], hashes[i])

@@ -24,6 +24,7 @@ import torch
 
 from .config import EngineConfig
 from .decode_graphs import DecodeGraph, DecodeGraphs, default_capture_sizes
+from .encoder_cache import EncoderCache
 from .errors import ConfigError
 from .expert_parallel.lockstep import StepDispatch, StepKind
 from .expert_parallel.sharding import ExpertParallel
@@ -201,6 +202,8 @@ class ModelRunner:
         self._outcomes = StepOutcomes()
         #: the last forward's hidden states at ``hidden_layers``
         self._hidden: dict[int, torch.Tensor] = {}
+        #: the span rows of the images prompts in flight still need, by digest
+        self.images = EncoderCache()
         self.graphs: DecodeGraphs | None = None
         if self._graph_mode(cfg):
             sizes = cfg.graph_capture_sizes or default_capture_sizes(cfg.max_num_seqs)
@@ -358,6 +361,7 @@ class ModelRunner:
         step = self._outcomes.resolve(step)
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
+            self.images.forget(rid)
             if self.proposer is not None:
                 self.proposer.forget(rid)
         for s in step.sequences:
@@ -365,12 +369,14 @@ class ModelRunner:
             if self.proposer is not None and s.num_tokens and s.start == s.state_floor:
                 self.proposer.clear(s.slot)  # its first chunk: no context from the slot's previous sequence
         batch, rows, placeholders = self._batch(step)
-        decode = all(s.is_decode for s in step.sequences if s.num_tokens)
-        verify = all(s.decodes for s in step.sequences if s.num_tokens)
+        images = self._image_inputs([s for s in step.sequences if s.num_tokens])
+        # a step splicing image rows runs eager (a captured graph's inputs hold token ids alone)
+        decode = images is None and all(s.is_decode for s in step.sequences if s.num_tokens)
+        verify = images is None and all(s.decodes for s in step.sequences if s.num_tokens)
         agreed = (self.sharding.begin_step(batch.num_seqs, batch.num_tokens, StepKind.of(decode, verify))
                   if self.sharding is not None else None)
         graph = self._graph_for(decode, verify, batch, agreed)
-        logits = self._forward(batch, placeholders, graph) if batch.num_seqs else None
+        logits = self._forward(batch, placeholders, graph, images) if batch.num_seqs else None
         if self.sharding is not None:
             if not batch.num_seqs:
                 self._join(agreed)
@@ -596,8 +602,48 @@ class ModelRunner:
             return self.graphs.find(batch.num_seqs, batch.max_context_len, batch.num_tokens)
         return None
 
-    def _forward(self, batch: Batch, placeholders: np.ndarray, graph: DecodeGraph | None) -> torch.Tensor:
-        """fp32 logits of the batch's logits rows: the step's indices in one copy, then a replay or an eager forward."""
+    def _image_inputs(self, compute: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's image positions as batch rows ``[R]`` and the rows of their spans ``[R, D]`` (None: the step
+        reaches into no image). Images not held yet are encoded first, all in one ``encode_images`` call; a
+        request keeps holding an image until its chunk passes the span."""
+        spans = [span for s in compute for span in s.images]
+        if not spans:
+            return None
+        encode = getattr(self.model, "encode_images", None)
+        if encode is None:
+            raise ConfigError(f"the {self.config.model_type} model at {self.model_dir} has no vision tower; send text prompts")
+        t0 = time.perf_counter()
+        encoded = self.images.ensure(spans, encode)
+        if encoded:
+            self.stats.images_encoded += encoded
+            self.stats.image_encoder_calls += 1
+            self.stats.image_encode_seconds += time.perf_counter() - t0
+        rows: list[np.ndarray] = []
+        embeds: list[torch.Tensor] = []
+        passed: list[tuple[str, bytes, bool]] = []
+        flat = 0
+        for s in compute:
+            end = s.start + len(s.token_ids)
+            for span in s.images:
+                lo, hi = max(span.offset, s.start), min(span.end, end)
+                rows.append(np.arange(flat + lo - s.start, flat + hi - s.start, dtype=np.int64))
+                embeds.append(self.images.rows(span.digest)[lo - span.offset : hi - span.offset])
+                passed.append((s.request_id, span.digest, end >= span.end))
+            flat += s.num_tokens
+        for request_id, digest, done in passed:  # after every slice is taken: a retired image may be dropped
+            if done:
+                self.images.release(request_id, digest)
+            else:
+                self.images.hold(request_id, digest)
+        index = torch.from_numpy(np.concatenate(rows)).to(self.torch_device)
+        return index, torch.cat(embeds).to(self.torch_device)
+
+    def _forward(
+        self, batch: Batch, placeholders: np.ndarray, graph: DecodeGraph | None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """fp32 logits of the batch's logits rows: the step's indices in one copy, then a replay or an eager forward
+        (``images``: the image rows to splice into its embeddings, eager only)."""
         self.cache.begin_forward(batch)
         self._copied.synchronize()
         if graph is not None:
@@ -613,6 +659,8 @@ class ModelRunner:
         inputs = layout.forward_inputs(host_tensor.to(self.torch_device, non_blocking=True))
         self._copied.record()
         self._fill_placeholders(inputs, placeholders)
+        if images is not None:
+            inputs.image_rows, inputs.image_embeds = images
         logits = self.model.forward(inputs, self.cache, self.hidden_layers).float()
         self._hidden = self.model.hidden_states
         return logits

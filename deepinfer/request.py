@@ -15,6 +15,7 @@ from .sampling_params import SamplingParams
 from .step import PLACEHOLDER, SampleSpec
 
 if TYPE_CHECKING:
+    from .multimodal import ImageSpan
     from .detokenizer import IncrementalDetokenizer
     from .kv_transfer.sequence_state import SequenceState
     from .spec_decode.spec_state import SpecState
@@ -82,6 +83,8 @@ class Request:
     hold_kv: bool = False
     #: its prompt's state computed by another engine, installed when it is first scheduled (disaggregated decode)
     imported: SequenceState | None = None
+    #: the images of its prompt, in prompt order (their positions hold the image placeholder id)
+    images: tuple[ImageSpan, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_token_ids, array):
@@ -114,6 +117,10 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def images_in(self, start: int, end: int) -> tuple[ImageSpan, ...]:
+        """The prompt's image spans reaching into positions ``[start, end)``."""
+        return tuple(span for span in self.images if span.overlaps(start, end)) if self.images else ()
 
     def token_slice(self, start: int, n: int) -> list[int]:
         """Tokens ``[start, start + n)``, with ``PLACEHOLDER`` for positions still pending on the device."""

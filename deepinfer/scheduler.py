@@ -276,6 +276,7 @@ class Scheduler:
             draft_token_ids=draft,
             speculate=req.spec is not None,
             chained=chained,
+            images=req.images_in(start, start + n),
         ))
         if chained:
             self.stats.spec_chained_records += 1

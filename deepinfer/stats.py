@@ -78,6 +78,11 @@ class EngineStats:
     spec_drafting_steps: int = 0
     spec_draft_candidates: int = 0
     spec_drafting_requests: int = 0
+    #: images the vision tower encoded, the calls that encoded them (one per step that needed any: a step's
+    #: new images of every request go in one batch) and the seconds those calls took
+    images_encoded: int = 0
+    image_encoder_calls: int = 0
+    image_encode_seconds: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

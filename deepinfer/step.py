@@ -19,6 +19,7 @@ from .kv_store.step_ops import KVStoreOps
 
 if TYPE_CHECKING:
     from .kv_transfer.sequence_state import SequenceInstall
+    from .multimodal import ImageSpan
 
 #: a token the previous step samples on the device and the host has not seen yet
 PLACEHOLDER = -1
@@ -107,6 +108,9 @@ class ScheduledSequence:
     #: positions assume every draft that step verifies is accepted, so the runner, which knows the
     #: outcome, moves them back by the rejected ones (``token_ids`` and ``draft_token_ids`` are placeholders)
     chained: bool = False
+    #: the prompt's images whose spans reach into ``[start, start + len(token_ids))`` (a chunk may hold part of
+    #: a span): the runner splices their rows in; empty for decodes
+    images: tuple[ImageSpan, ...] = ()
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -38,7 +38,9 @@ class PackedState:
 class AddRequest:
     rank: int
     request_id: str
-    prompt: str | list[int]
+    #: text, ids, or a prompt in vLLM's form whose images travel as given (the rank's engine expands them, so the
+    #: pixels cross the pipe by value, never as tensor handles)
+    prompt: str | list[int] | dict[str, Any]
     params: SamplingParams | dict[str, Any] | None
     #: prefill role: keep its cache when it finishes; the rank exports its state into its last report
     hold_kv: bool = False

@@ -137,6 +137,10 @@ class ForwardInputs:
     tail_rows: list[torch.Tensor] | None = None
     tail_take: list[torch.Tensor] | None = None
     tail_logits: torch.Tensor | None = None
+    #: ``[R]`` int64 batch rows at image positions and ``[R, D]`` what their embedding becomes (an eager step
+    #: whose chunks reach into image spans; None otherwise: the flat buffer's layout never depends on images)
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
     @property
     def live(self) -> torch.Tensor:

@@ -71,8 +71,9 @@ class MoE(ParamTree):
             self.tid2eid = self.param("gate.tid2eid", (c.vocab_size, c.num_experts_per_tok), torch.int64)
         else:
             self.bias = self.param("gate.bias", (e,), torch.float32)
+        #: the router bias for image positions (a vision-language checkpoint's ``gate.bias_vl``), else None
+        self.bias_vl: torch.Tensor | None = None
         if c.router_image_bias:
-            # the router bias for image tokens: loaded with the checkpoint, unused for text
             self.bias_vl = self.param("gate.bias_vl", (e,), torch.float32)
         experts = plan.storage(EXPERTS)
         if experts.quantized and i % experts.block[0]:
@@ -122,6 +123,16 @@ class MoE(ParamTree):
                 for t in self.expert_tensors():
                     t[x].copy_(t[src])
 
+    def _image_route(
+        self, k: Kernels, logits: torch.Tensor, image: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The text choice where ``image`` is False, the choice under ``bias_vl`` where it is True (a hash-routed
+        layer's image rows too: an image position has no token id to look up). Both are computed and one is
+        picked per row, on the device: no read-back, the same on every rank."""
+        w_vl, ids_vl = k.moe_route(logits, self.bias_vl, self.top_k, self.scaling, self.scoring, self.renormalize)
+        pick = image[:, None]
+        return torch.where(pick, w_vl.to(weights.dtype), weights), torch.where(pick, ids_vl, ids)
+
     def _experts_out(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, k: Kernels) -> torch.Tensor:
         if isinstance(self.w13, QuantizedWeight):
             return k.moe_experts_quantized(hidden, ids, weights, self.w13, self.w2, self.limit)
@@ -134,7 +145,9 @@ class MoE(ParamTree):
         weights = torch.empty(0, top, dtype=torch.float32, device=x.device)
         self.sharding.routed(self.layer, x[:0], ids, weights, lambda h, i, w: self._experts_out(h, i, w, k))
 
-    def __call__(self, k: Kernels, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, k: Kernels, x: torch.Tensor, input_ids: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        """``image`` ``[T]`` bool: the rows at image positions, which choose their experts with ``bias_vl``
+        (None: a step without images)."""
         logits, shared_gate, shared_up = self.proj_in(k, x)
         if self.gate_temp != 1.0:
             logits = logits / self.gate_temp
@@ -142,6 +155,8 @@ class MoE(ParamTree):
             weights, ids = k.hash_route(logits, input_ids, self.tid2eid, self.scaling, self.scoring, self.renormalize)
         else:
             weights, ids = k.moe_route(logits, self.bias, self.top_k, self.scaling, self.scoring, self.renormalize)
+        if image is not None and self.bias_vl is not None:
+            weights, ids = self._image_route(k, logits, image, weights, ids)
         if self.sharding is not None:
             routed = self.sharding.routed(self.layer, x, ids, weights, lambda h, i, w: self._experts_out(h, i, w, k))
         else:

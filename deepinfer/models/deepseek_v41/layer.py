@@ -54,16 +54,18 @@ class DecoderLayerV41(ParamTree):
 
     def __call__(
         self, k: Kernels, streams: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, meta: LayerMeta,
-        cache: ModelCache, shared: SharedIndices, hash_ids: dict[int, torch.Tensor],
+        cache: ModelCache, shared: SharedIndices, hash_ids: dict[int, torch.Tensor], image: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, hc_mult, D]`` streams and the previous site's ``[T, hc_mult]`` pre in; the same out."""
+        """``[T, hc_mult, D]`` streams and the previous site's ``[T, hc_mult]`` pre in; the same out. ``image``
+        ``[T]`` bool marks image positions: Engram adds nothing there and the router uses ``bias_vl``."""
         if self.engram is not None:
-            streams = self.engram(k, streams, hash_ids[self.index])
+            injected = self.engram(k, streams, hash_ids[self.index])
+            streams = injected if image is None else torch.where(image[:, None, None], streams, injected)
         attn_pre, post, comb = self.hc_attn.mix(k, streams)
         x = k.mhc_collapse(streams, pre)
         y = self.attn(k, k.rms_norm(x, self.attn_norm, self.eps), meta, cache, shared)
         streams = k.mhc_post(y, streams, post, comb)
         ffn_pre, post, comb = self.hc_ffn.mix(k, streams)
         x = k.mhc_collapse(streams, attn_pre)
-        y = self.ffn(k, k.rms_norm(x, self.ffn_norm, self.eps), input_ids)
+        y = self.ffn(k, k.rms_norm(x, self.ffn_norm, self.eps), input_ids, image)
         return k.mhc_post(y, streams, post, comb), ffn_pre

@@ -135,7 +135,11 @@ class DeepseekV41Model(CausalLM):
         if self.sharding is not None:
             self.sharding.begin_forward(inputs.positions, inputs.live)
         ids = inputs.input_ids
-        streams = self.embed[ids][:, None, :].expand(-1, c.hc_mult, -1).contiguous()
+        embeds, image = self.embed[ids], None
+        if inputs.image_rows is not None:  # image positions take their span's rows, before the streams expand
+            embeds = embeds.index_copy(0, inputs.image_rows, inputs.image_embeds.to(embeds.dtype))
+            image = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device).index_fill_(0, inputs.image_rows, True)
+        streams = embeds[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
         pre = torch.zeros(ids.shape[0], c.hc_mult, dtype=torch.float32, device=ids.device)
         pre[:, 0] = 1.0  # the first site collapses stream 0
         hash_ids = self.hasher(k, self.ngrams(inputs, cache)) if self.engram_layers else {}
@@ -150,12 +154,13 @@ class DeepseekV41Model(CausalLM):
                 # a prefill's early positions need no layer past the last KV source: compute its tail only
                 take, rows = inputs.tail_take[j], inputs.tail_rows[j]
                 streams, pre, ids = streams[take], pre[take], ids[take]
+                image = image[take] if image is not None else None
                 hash_ids = {i: h[take] for i, h in hash_ids.items()}
                 shared.topk = shared.topk[take] if shared.topk is not None else None
                 shared.candidates = shared.candidates[take] if shared.candidates is not None else None
             if rows is not None:
                 meta = meta.select(rows)
-            streams, pre = layer(k, streams, pre, ids, meta, cache, shared, hash_ids)
+            streams, pre = layer(k, streams, pre, ids, meta, cache, shared, hash_ids, image)
             if layer.index in hidden_layers:
                 mean = streams.mean(dim=1)
                 if rows is not None:  # rows the tail skipped hold zeros (never read: see prefill_margin)
