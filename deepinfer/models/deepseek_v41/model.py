@@ -173,13 +173,19 @@ class DeepseekV41Model(CausalLM):
 
     def ngrams(self, inputs: ForwardInputs, cache: ModelCache) -> torch.Tensor:
         """``[T, N]`` compressed ids of each token's n-gram (itself first, then the ones before it; the pad id
-        before the sequence start), through the cache's ring of raw token ids."""
+        before the sequence start), through the cache's ring of raw token ids. An image position (its id is
+        ``image_token_id``) ends the n-grams reaching it as the sequence start does: it and every older
+        position read as the pad id."""
         if self.hasher is None:
             raise ValueError("the Engram layers need the tokenizer's compressed vocabulary: call bind_engram(tokenizer)")
         ring = cache.history
         self.kernels.cache_write(ring, inputs.history_seed_rows, inputs.history_seed_ids)
         self.kernels.cache_write(ring, inputs.history_write, inputs.input_ids)
         rows = inputs.history_rows
-        ids = self.token_map[ring[rows.clamp(min=0)]]
-        return torch.where(rows >= 0, ids, self.pad_id)
+        raw = ring[rows.clamp(min=0)]
+        cut = rows < 0
+        if self.vision is not None:
+            cut = cut | (raw == self.config.image_token_id)
+        cut = torch.cummax(cut.to(torch.int32), dim=1).values.bool()  # a cut reaches every older look-back
+        return torch.where(cut, self.pad_id, self.token_map[raw])
 
