@@ -8,7 +8,9 @@ head collapse top-level tensors, and the attention's kv norm ``kv_norm``; block
 scales sit beside their weights as ``.scale`` (V4) or ``_scale_inv`` (V3).
 
 transformers' DeepSeek V4.1 spells the embedding ``model.embed``, the kv norm
-``kv_norm`` and the head ``lm_head``; those load too.
+``kv_norm`` and the head ``lm_head``; those load too. V4.1's vision tower keeps
+its release names (``vision.*``, ``aligner.*``, ``image_start`` / ``image_newline``
+/ ``image_end``); exports that put them under ``model.`` load too.
 
 ``mtp.*`` (the DSpark draft) keeps its release names. Other spellings of the
 draft's tensors load under them too: transformers' (``hc_head.hc_fn``, a stage's
@@ -31,6 +33,7 @@ RULES: tuple[tuple[str, str], ...] = (
     (r"^model\.embed\.weight$", "model.embed_tokens.weight"),
     (r"^model\.layers\.(\d+)\.attn\.kv_norm\.weight$", r"model.layers.\1.attn.norm.weight"),
     (r"^lm_head\.weight$", "head.weight"),
+    (r"^model\.((?:vision|aligner)\..+|image_(?:start|newline|end))$", r"\1"),
 )
 
 #: (other spelling, release name) of the DSpark draft's tensors, the first match wins

@@ -108,6 +108,7 @@ def test_every_op_has_one_token_and_real_shape_cases():
 
 def test_accumulation_sensitive_ops_carry_a_limit():
     ops = {"sparse_attention", "indexer_scores", "moe_experts", "fp8_linear", "moe_experts_quantized", "rms_norm", "compress_kv",
-           "mhc_pre", "mhc_mix", "mhc_collapse", "mhc_post", "mhc_head", "engram_inject", "indexer_topk", "indexer_block_topk", "entry_attention"}
+           "mhc_pre", "mhc_mix", "mhc_collapse", "mhc_post", "mhc_head", "engram_inject", "indexer_topk", "indexer_block_topk", "entry_attention",
+           "vit_attention"}
     assert {op for op, s in SPECS.items() if s.rms_limits} == ops
     assert all(SPECS[op].rms_reason for op in ops)

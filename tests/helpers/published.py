@@ -400,7 +400,7 @@ V41_ENGRAM_NUM_EMBEDDINGS = (384_006_168, 384_016_682)
 V41_CHECKPOINT_BYTES = 510_286_023_000
 #: the release's parameter counts: DSpark draft (routed experts, shared experts, markov head, the rest)
 V41_DRAFT_PARAMS = 13_589_544_960 + 106_168_320 + 66_191_360 + 463_457_890
-#: the vision tower and aligner, as stored (BF16), which inspect leaves out
+#: the vision tower, aligner and image delimiters, as stored (BF16)
 V41_VISION_PARAMS = 485_268_480
 
 

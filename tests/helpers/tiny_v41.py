@@ -5,6 +5,12 @@ reindexing layer 3, a reusing layer 4) and a ratio-1 group (source 5, the
 candidate source, with a reindexing layer 6 confined to its candidate blocks
 and a reusing layer 7); Engram tables on layers 1 and 4, FP8 codes with UE8M0
 scales, the bundled model's tokenizer for the compressed vocabulary.
+
+``vision=True`` adds a small vision tower (``VISION``: 2 blocks of width 32, 14 × 14
+patches merged 3 × 3, at most 64 tokens an image) with random weights, and the
+image placeholder ``IMAGE_TOKEN`` as an added special token of the written
+tokenizer (the bundled one has none), whose id becomes ``image_token_id``; the
+vocabulary grows by one to hold it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,14 @@ TEXT: dict[str, Any] = dict(
     engram_pad_token_id=2, num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1,
 )
 
+#: a small ``vision_config`` (the release's fields)
+VISION: dict[str, Any] = dict(
+    model_type="deepseek_v41_vision", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+    patch_size=14, downsample_ratio=3, rope_theta=10000.0, max_image_tokens=64, min_pixels=56 * 56, max_wh_ratio=None,
+)
+#: the release's image placeholder token
+IMAGE_TOKEN = "<｜deepseek_image｜>"
+
 
 def release_name(name: str) -> str:
     """The release's name of a model parameter (the inverse of ``loader/names.py`` for V4.1's tensors)."""
@@ -63,7 +77,7 @@ def _random(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Seeded by the name, so a tensor's values do not depend on which other tensors a config has."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     leaf = name.rsplit(".", 1)[-1]
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
         return 1 + 0.2 * torch.randn(shape, generator=gen)
     if leaf.endswith("_fn"):
         return 0.05 * torch.randn(shape, generator=gen)
@@ -92,13 +106,26 @@ QUANTIZATION = {
 }
 
 
+def add_image_token(directory: Path) -> int:
+    """Add ``IMAGE_TOKEN`` to ``directory``'s tokenizer.json as a special token; returns its id."""
+    from tokenizers import AddedToken, Tokenizer
+
+    path = directory / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    tok.save(str(path))
+    return tok.token_to_id(IMAGE_TOKEN)
+
+
 def write_tiny_v41(
-    directory: Path, seed: int = 0, engram_value_zero: bool = False, quantized: bool = False, **text: Any
+    directory: Path, seed: int = 0, engram_value_zero: bool = False, quantized: bool = False, vision: bool = False, **text: Any
 ) -> Path:
     """Write a tiny V4.1 checkpoint into ``directory`` (``text`` overrides ``TEXT``); returns it.
 
     ``engram_value_zero``: every Engram projection's value rows are zero, so the layers add nothing.
-    ``quantized``: stored as the release stores them (``QUANTIZATION``, top-level ``quantization_config``)."""
+    ``quantized``: stored as the release stores them (``QUANTIZATION``, top-level ``quantization_config``;
+    the vision tower in BF16).
+    ``vision``: with the vision tower ``VISION`` and the image placeholder token."""
     from safetensors.torch import save_file
 
     from deepinfer.models.deepseek_v41.model import DeepseekV41Model
@@ -108,9 +135,14 @@ def write_tiny_v41(
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUNDLED_MODEL / name, directory / name)
     fields = {**TEXT, **text}
+    image_token = add_image_token(directory) if vision else None
+    if image_token is not None:
+        fields["vocab_size"] = max(fields["vocab_size"], image_token + 1)
     if fields["engram_layer_ids"]:
         fields.update(_engram_fields(fields, directory))
     raw = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "text_config": fields}
+    if vision:
+        raw.update(vision_config=VISION, image_token_id=image_token)
     if quantized:
         raw["quantization_config"] = QUANTIZATION
     (directory / "config.json").write_text(json.dumps(raw, indent=1))

@@ -106,6 +106,7 @@ class AscendKernels(Kernels):
         "cache_write": f"{TRITON} (packed pools)",
         "kv_pack": TRITON,
         "kv_unpack": TRITON,
+        "vit_attention": "torch_npu:npu_fusion_attention",
     }
 
     def __init__(self, strict: bool = False, torch_npu: Any = None) -> None:
@@ -303,6 +304,18 @@ class AscendKernels(Kernels):
             rows = take_rows(kv, idx).view(-1, kv.dim)
             outs.append(self.sparse_attention(q[t0 : t0 + chunk], rows, torch.where(idx >= 0, local, -1), sinks, scale))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def vit_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``npu_fusion_attention`` over the packed images in its TND layout, each image one sequence, no mask (see
+        ``npu_ops.vit_attention``)."""
+        reference = lambda: super(AscendKernels, self).vit_attention(q, k, v, cu_seqlens, scale)  # noqa: E731
+        if q.shape[0] == 0:
+            return reference()
+        from . import npu_ops
+
+        return self._fused("vit_attention", (q, k, v), lambda tn: npu_ops.vit_attention(tn, q, k, v, cu_seqlens, scale), reference)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
         """``npu_clipped_swiglu`` on A2/A3 (``npu_swiglu`` without a limit or on Ascend 950; see ``npu_ops.swiglu_packed``)."""

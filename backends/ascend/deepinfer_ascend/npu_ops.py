@@ -295,3 +295,40 @@ def moe_experts(
     w = topk_weights.reshape(-1)[rows.source].float()
     out.index_add_(0, rows.source // k, y.float() * w[:, None])
     return out.to(x.dtype)
+
+
+#: ``npu_fusion_attention``'s limits (torch_npu op reference: "D ... a multiple of 16, with the max value of 512",
+#: "N1 ... 1 to 256"; query/key/value FLOAT16, BFLOAT16, FLOAT32)
+FUSION_ATTENTION_MAX_DIM = 512
+FUSION_ATTENTION_MAX_HEADS = 256
+#: "no band": the op's default pre/next token counts, every key of a sequence visible to each of its queries
+_ALL_TOKENS = 2147483647
+
+
+def vit_attention(
+    tn: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The vision tower's attention as ``npu_fusion_attention`` in its ``TND`` layout.
+
+    ``npu_fusion_attention(query, key, value, head_num, input_layout, ..., scale, ..., pre_tockens, next_tockens,
+    ..., actual_seq_qlen, actual_seq_kvlen, sparse_mode, ...) -> (attention_out, softmax_max, softmax_sum,
+    softmax_out, seed, offset, numels)``: with ``input_layout="TND"`` the batch is one ``[T, N, D]`` tensor and
+    ``actual_seq_qlen`` / ``actual_seq_kvlen`` are the cumulative ends of its sequences (host ints), each query
+    attending within its own sequence; ``sparse_mode=0`` without ``atten_mask`` and the full pre/next token
+    counts mask nothing (bidirectional). Both lists are the images' ends, ``cu_seqlens[1:]`` read on the host
+    (a synchronisation when the boundaries live on the NPU; the ViT pass runs eagerly), an empty image's
+    repeated end left out.
+    """
+    t, h, d = q.shape
+    _need(q.dtype in _FLOAT and k.dtype == q.dtype and v.dtype == q.dtype, f"npu_fusion_attention takes fp16/bf16/fp32 q, k, v of one dtype, not {q.dtype}")
+    _need(d % 16 == 0 and d <= FUSION_ATTENTION_MAX_DIM, f"npu_fusion_attention takes a head dim that is a multiple of 16 up to {FUSION_ATTENTION_MAX_DIM}, not {d}")
+    _need(h <= FUSION_ATTENTION_MAX_HEADS, f"npu_fusion_attention takes up to {FUSION_ATTENTION_MAX_HEADS} heads, not {h}")
+    ends: list[int] = []
+    for end in cu_seqlens[1:].tolist():
+        if int(end) > (ends[-1] if ends else 0):
+            ends.append(int(end))
+    out = tn.npu_fusion_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), h, "TND", scale=scale, pre_tockens=_ALL_TOKENS,
+        next_tockens=_ALL_TOKENS, actual_seq_qlen=ends, actual_seq_kvlen=ends, sparse_mode=0,
+    )[0]
+    return out.view(t, h, d)

@@ -60,7 +60,7 @@ from . import __path__ as _package_path
 from . import (
     triton_attention, triton_bitmask, triton_cache, triton_candidates, triton_compressor, triton_engram, triton_experts,
     triton_fp8, triton_hadamard, triton_indexer, triton_long_context, triton_mhc, triton_moe, triton_norm, triton_records,
-    triton_rope, triton_sampling,
+    triton_rope, triton_sampling, triton_vit,
 )
 from .launch import SHARED_MEMORY_PER_BLOCK, Tiles, interpreting
 from .pool_operand import NO_FORMAT, format_constants
@@ -127,6 +127,10 @@ class V41Shapes:
     engram_heads: int = 8
     engram_head_dim: int = 256
     engram_rows: int = 384_006_168
+    #: the vision tower: 16 heads of 64 channels, and the patches of one call (four images of the largest grid)
+    vit_heads: int = 16
+    vit_head_dim: int = 64
+    vit_tokens: int = 4 * 93 * 93
 
     @property
     def engram_columns(self) -> int:
@@ -637,6 +641,18 @@ def _engram(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> 
     return out
 
 
+def _vit(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
+    """The vision tower's attention over a call's packed images (its tiles depend only on the head dim)."""
+    v = s.v41
+    t, h, d = v.vit_tokens, v.vit_heads, v.vit_head_dim
+    dot, prec = dot_operands(dtype)
+    args = dict(q_ptr=ptr(dtype), k_ptr=ptr(dtype), v_ptr=ptr(dtype), cu_ptr=ptr(torch.int32), out_ptr=ptr(dtype), T=t, D=d,
+                NSEG=4, qk_scale=d**-0.5, stride_qt=3 * h * d, stride_qh=d, stride_kt=3 * h * d, stride_kh=d,
+                stride_vt=3 * h * d, stride_vh=d, stride_ot=h * d, stride_oh=d, DOT=dot, PREC=prec)
+    return launch_cases("vit_attention", triton_vit._vit_attention_kernel, dt, args, triton_vit.vit_attention_tiles(d, dtype),
+                        f"V4.1 vision, {h} heads x {d}, q/k/v views of one qkv")
+
+
 def _moe(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
     e, k = s.experts, s.top_k
     f32, i64 = ptr(torch.float32), ptr(torch.int64)
@@ -746,12 +762,12 @@ def _fp8(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> lis
 #: the case builders, one per kernel family
 BUILDERS: tuple[Callable[[Shapes, torch.dtype, str, str, int], list[Case]], ...] = (
     _norm, _rope, _sampling, _cache, _records, _hadamard, _attention, _long_context, _compressor, _mhc, _mhc_v41, _candidates,
-    _engram, _moe, _experts, _fp8,
+    _engram, _vit, _moe, _experts, _fp8,
 )
 
 
 def _phase_independent(builder: Callable) -> bool:
-    return builder in (_norm, _rope, _sampling, _cache, _records, _hadamard, _compressor, _engram, _moe)
+    return builder in (_norm, _rope, _sampling, _cache, _records, _hadamard, _compressor, _engram, _vit, _moe)
 
 
 def enumerate_cases(target: int, shapes: Shapes = V4_FLASH, dtypes: Sequence[str] = tuple(DTYPES)) -> list[Case]:

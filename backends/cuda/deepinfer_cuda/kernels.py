@@ -17,7 +17,8 @@ quantizes rows into records and scatters them in one kernel per region, and
 ``indexer_topk`` decode the records of the rows they read in registers (pools
 of one or two non-empty regions decoding to the query's dtype; others run the
 reference, which decodes the gathered rows). ``kv_pack``, ``kv_unpack`` and
-``hadamard`` have their own kernels.
+``hadamard`` have their own kernels. ``vit_attention`` (the vision tower's) finds each
+token's image on the device from ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -327,6 +328,18 @@ class CUDAKernels(Kernels):
         from .triton_mhc import mhc_head
 
         return mhc_head(x, fn, base, scale, norm_eps, hc_eps)
+
+    def vit_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Flash attention over the packed images, each token's image found from ``cu_seqlens`` on the device, no
+        host read (see ``Kernels.vit_attention`` and ``triton_vit``)."""
+        if q.shape[0] == 0 or not _model_dtypes(q, k, v):
+            return super().vit_attention(q, k, v, cu_seqlens, scale)
+        check_device("vit_attention", q, k, v, cu_seqlens)
+        from .triton_vit import vit_attention
+
+        return vit_attention(q, k, v, cu_seqlens, scale)
 
     def engram_hash(
         self, tokens: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor

@@ -24,12 +24,13 @@ class ParamTree:
         self._tensors[name] = view
 
     def child(self, name: str, tree: "ParamTree") -> "ParamTree":
+        """Add ``tree`` under ``name`` (``""``: its keys join this tree's own, for a part a checkpoint names at the top)."""
         self._children[name] = tree
         return tree
 
     def named_parameters(self, prefix: str = "") -> dict[str, torch.Tensor]:
         out = {prefix + k: v for k, v in self._tensors.items()}
         for name, tree in self._children.items():
-            out.update(tree.named_parameters(f"{prefix}{name}."))
+            out.update(tree.named_parameters(f"{prefix}{name}." if name else prefix))
         return out
 

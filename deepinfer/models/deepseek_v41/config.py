@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ...errors import ConfigError
 from ..common.cache_spec import CacheFormats, CacheGeometry
@@ -32,20 +32,37 @@ DRAFT_FIELDS = (
 
 
 class V41VisionConfig(BaseModel):
-    """``vision_config``: the vision tower's shape (parsed so the composite config validates; not run)."""
+    """``vision_config``: the vision tower's shape (a ViT over ``patch_size`` patches with 2D rotary attention, its
+    aligner merging ``downsample_ratio`` × ``downsample_ratio`` patches) and the image budget. ``num_hidden_layers``
+    0 declares no tower."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     hidden_size: int = Field(1024, gt=0)
     intermediate_size: int = Field(2816, gt=0)
-    num_hidden_layers: int = Field(32, gt=0)
+    num_hidden_layers: int = Field(32, ge=0)
     num_attention_heads: int = Field(16, gt=0)
     patch_size: int = Field(14, gt=0)
     downsample_ratio: int = Field(3, gt=0)
-    rope_theta: float = 10000.0
+    rope_theta: float = Field(10000.0, gt=0)
     max_image_tokens: int = Field(1024, gt=0)
     min_pixels: int = Field(295936, gt=0)
     max_wh_ratio: int | None = None
+    rms_norm_eps: float = Field(1e-6, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_split_for_2d_rope(self) -> "V41VisionConfig":
+        """Each head splits in two halves, each rotated by row and column angles in pairs: a multiple of 4 channels."""
+        if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 4:
+            raise ValueError(
+                f"vision_config: hidden_size {self.hidden_size} over num_attention_heads {self.num_attention_heads} must give "
+                "heads of a multiple of 4 channels (the 2D rotary embedding rotates each half in pairs)"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
 
 
 class DeepseekV41Config(BaseModel):
@@ -100,6 +117,8 @@ class DeepseekV41Config(BaseModel):
                 renormalize_topk=t.norm_topk_prob and t.num_experts_per_tok > 1,
                 router_image_bias=True,
                 text=t,
+                vision=self.vision_config if self.vision_config and self.vision_config.num_hidden_layers else None,
+                image_token_id=self.image_token_id,
             )
         except ValidationError as exc:
             raise invalid_config("DeepSeek-V4.1", exc) from None
@@ -126,6 +145,20 @@ class V41ModelConfig(ModelConfig):
 
     model_type: Literal["deepseek_v41"] = MODEL_TYPE
     text: V41TextConfig
+    #: the vision tower (None: the checkpoint has none, or declares one of no layers)
+    vision: V41VisionConfig | None = None
+    #: the placeholder token of an image in a prompt (every position of an image's span holds it)
+    image_token_id: int | None = None
+
+    @model_validator(mode="after")
+    def _image_token_in_vocabulary(self) -> "V41ModelConfig":
+        """A tower needs a placeholder token the embedding holds (the span's positions carry it)."""
+        if self.vision is not None and not (self.image_token_id is not None and 0 <= self.image_token_id < self.vocab_size):
+            raise ValueError(
+                f"image_token_id {self.image_token_id} must be a token id below vocab_size {self.vocab_size} when vision_config "
+                "declares a vision tower"
+            )
+        return self
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> "V41ModelConfig":

@@ -1,4 +1,4 @@
-"""The DeepSeek V4.1 causal LM (text): shared compressed KV, Engram n-gram memory, V4.1's mHC.
+"""The DeepSeek V4.1 causal LM: shared compressed KV, Engram n-gram memory, V4.1's mHC, and its vision tower.
 
 Parameters carry the names the V4 model uses for the same tensors (the
 release's names map to them through ``loader/names.py``); the Engram tables
@@ -23,6 +23,8 @@ from ..common.linear import PLAIN, QuantPlan, Storage
 from ..common.metadata import build_layer_metas
 from ..common.causal_lm import CausalLM
 from ..common.moe import ExpertSharding
+from ...multimodal import ImageSpan
+from .vision import VISION_PREFIXES, VisionTower
 
 
 class DeepseekV41Model(CausalLM):
@@ -59,6 +61,10 @@ class DeepseekV41Model(CausalLM):
         for layer in self.layers:
             self.body.child(f"layers.{layer.index}", layer)
         self.norm = self.body.param("norm.weight", (c.hidden_size,), torch.float32)
+        #: the vision tower, under the release's top-level names (None: the config declares none)
+        self.vision: VisionTower | None = None
+        if c.vision is not None:
+            self.vision = self.child("", VisionTower(c.vision, c.hidden_size, dtype, device))
         self.engram_layers = [layer.engram for layer in self.layers if layer.engram is not None]
         #: the Engram n-gram hashing, the compressed id of every token and of the pad token (``bind_engram``)
         self.hasher: EngramHasher | None = None
@@ -76,8 +82,19 @@ class DeepseekV41Model(CausalLM):
         return {"table_storage": TABLE_STORAGE if quantized else PLAIN}
 
     def inventory_part(self, name: str) -> str:
-        """The Engram tables apart: one copy per rank, never split by expert parallelism."""
+        """The Engram tables apart (one copy per rank, never split by expert parallelism), and the vision tower."""
+        if name.startswith(VISION_PREFIXES):
+            return "vision"
         return "engram" if ".engram." in name and name.endswith(TABLE_KEYS) else "backbone"
+
+    @torch.inference_mode()
+    def encode_images(self, spans: list[ImageSpan]) -> list[torch.Tensor]:
+        """Each image's span embedding ``[span.length, hidden]`` in the model dtype (its start, rows of patch tokens
+        each ended by a newline, its end), every image of the call in one ViT pass; nothing is read back."""
+        if self.vision is None:
+            raise ValueError("this DeepSeek V4.1 checkpoint has no vision tower (config.json declares no vision_config "
+                             "layers); send text only, or load a checkpoint with one")
+        return self.vision.encode(self.kernels, spans)
 
     def loaded(self, checkpoint) -> None:
         """Hash the n-grams with the checkpoint's tokenizer."""

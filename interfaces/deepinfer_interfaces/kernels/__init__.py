@@ -24,6 +24,7 @@ from .norm import NormOps
 from .quant import QuantOps
 from .rope import RopeOps
 from .sampling import SamplingOps
+from .vit import VitOps
 
 
 class Kernels(
@@ -40,6 +41,7 @@ class Kernels(
     QuantOps,
     EngramOps,
     KVQuantOps,
+    VitOps,
 ):
     """The reference kernel set, in plain PyTorch; its methods are the specification."""
 

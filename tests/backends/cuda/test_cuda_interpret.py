@@ -27,6 +27,8 @@ OWN_OPS = {
     "mhc_mix", "mhc_collapse", "candidate_blocks", "engram_hash", "engram_lookup", "engram_inject",
     # packed cache records
     "kv_pack", "kv_unpack", "hadamard",
+    # the vision tower
+    "vit_attention",
 }
 def _run(args: list[str], interpret: bool, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ)

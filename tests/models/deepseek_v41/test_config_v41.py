@@ -159,10 +159,12 @@ def test_published_byte_figures_reproduce(tmp_path):
     assert mem.parts["engram"].total_bytes == sum(V41_ENGRAM_NUM_EMBEDDINGS) * V41_ENGRAM_ROW_BYTES
     assert mem.parts["backbone"].routed_expert_bytes == 40 * 384 * V41_ROUTED_EXPERT_BYTES
     assert mem.parts["draft"].routed_expert_bytes == 3 * 128 * V41_ROUTED_EXPERT_BYTES
-    # every stored tensor but the BF16 vision tower is counted, to the byte, once the norms the engine
-    # holds in fp32 (two more bytes each than stored) are taken back
-    upcast = 2 * sum(v41_norm_elements())
-    assert mem.total_bytes - upcast + 2 * V41_VISION_PARAMS == V41_CHECKPOINT_BYTES
+    # every stored tensor is counted, to the byte, once the norms the engine holds in fp32 (two more bytes each
+    # than stored) are taken back: the text's and the vision tower's (two per block and the final one)
+    vision_norms = (2 * 32 + 1) * 1024
+    assert mem.parts["vision"].total_bytes == 2 * V41_VISION_PARAMS + 2 * vision_norms
+    upcast = 2 * sum(v41_norm_elements()) + 2 * vision_norms
+    assert mem.total_bytes - upcast == V41_CHECKPOINT_BYTES
 
 
 def test_dequantized_draft_is_its_parameters_in_bf16_and_f32(tmp_path):
@@ -196,7 +198,7 @@ def test_inspect_reports_the_three_parts(tmp_path):
     proc = _inspect(directory, "--ep", "8", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    for part in ("backbone", "engram", "draft"):
+    for part in ("backbone", "engram", "draft", "vision"):
         assert report["parts"][part]["total_bytes"] == mem.parts[part].total_bytes
         assert report["parts"][part]["per_rank_bytes"] == mem.parts[part].per_rank_bytes
     assert report["parts"]["engram"]["total_bytes"] == 202_758_032_400
@@ -206,6 +208,7 @@ def test_inspect_reports_the_three_parts(tmp_path):
     lines = {line.split()[0]: line for line in text.stdout.splitlines() if line.startswith("  ")}
     # the backbone as held: its norms in fp32, a megabyte over the stored 298.62 GB
     assert "202.76 GB" in lines["engram"] and "298.63 GB" in lines["backbone"] and "7.93 GB" in lines["draft"]
+    assert "970.67 MB" in lines["vision"]  # 485.27 M parameters in bf16, its 65 norms in fp32
 
 
 def test_inspect_names_a_bad_v41_field_in_one_line(tmp_path):
