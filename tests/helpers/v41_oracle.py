@@ -500,8 +500,8 @@ def oracle_forward(directory: str | Path, token_ids: list[int], overrides: dict[
     prefix hit of ``hit`` tokens recomputing the last ``replay`` of them (logits from ``hit - replay``).
 
     ``rounding``: see the module docstring. ``splice``: images in the prompt (``Splice``, over all ``T``).
-    ``overrides`` replaces checkpoint tensors by name; ``swap_collapse`` collapses each site with its OWN ``pre`` instead of the previous site's (both exist
-    only to show the comparison can fail)."""
+    ``overrides`` replaces checkpoint tensors by name; ``swap_collapse`` collapses each site with its OWN ``pre``
+    instead of the previous site's (both exist only to show the comparison can fail)."""
     directory = Path(directory)
     text = _load_text_config(directory)
     tensors = CheckpointTensors(directory)

@@ -27,7 +27,7 @@ from PIL import Image
 
 from deepinfer.llm import LLM
 from tests.helpers.oracle_tensors import CheckpointTensors
-from tests.helpers.tiny_v41_vision import write_tiny_v41_vision
+from tests.helpers.tiny_v41 import write_tiny_v41
 from tests.helpers.trained_kv import MEAN_ATOL, Completion, agreement, greedy
 from tests.helpers.v41_image_oracle import VisionSpec, plan, preprocess
 from tests.helpers.v41_oracle import engram_hash_ids, oracle_forward
@@ -41,9 +41,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT = dict(head_dim=24, qk_rope_head_dim=8, index_head_dim=12)
 ENGINE = dict(backend="cpu", dtype="float64", max_model_len=256, kv_cache_memory=64 << 20, max_num_seqs=4,
               speculative_method=None, kv_cache_dtype="model", swa_replay="exact")
-#: (width, height) at the tiny vision config: square, wide, a small tall one widened to the pixel floor, a wide
-#: one, one over the token cap (shrunk)
-SIZES = [(64, 64), (100, 40), (20, 30), (150, 90), (300, 200)]
+#: (width, height) at the tiny vision config (``tiny_v41.VISION``): square, wide, a small tall one widened to the
+#: pixel floor, a wide one, one over the token cap (shrunk)
+SIZES = [(64, 64), (100, 40), (20, 30), (150, 90), (400, 250)]
 #: the tower's span rows, engine against oracle
 ROWS_ATOL = {torch.float32: 1e-5, torch.float64: 1e-5}
 
@@ -63,7 +63,7 @@ def _text(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_tiny_v41_vision(tmp_path_factory.mktemp("v41_vision") / "tiny", seed=3, **TEXT)
+    return write_tiny_v41(tmp_path_factory.mktemp("v41_vision") / "tiny", seed=3, vision=True, **TEXT)
 
 
 @pytest.fixture(scope="module")
@@ -189,15 +189,16 @@ def test_a_span_holds_its_delimiters_and_aligner_rows_row_major(ckpt, spec):
     assert len({tuple(r.tolist()) for r in body}) == g.llm_h * g.llm_w  # every patch token its own row
 
 
-def test_an_image_cuts_the_engram_ngrams_reaching_it(ckpt):
+def test_an_image_cuts_the_engram_ngrams_reaching_it(ckpt, spec):
     import json
 
+    _, token = spec
     text = json.loads((ckpt / "config.json").read_text())["text_config"]
     tail = [11, 12, 13]
     # the tokens after an image hash as the same tokens at the start of a sequence
-    after = engram_hash_ids(text, [7, 8, 9, 4090, 4090] + tail, ckpt / "tokenizer.json", [False] * 3 + [True] * 2 + [False] * 3)
+    after = engram_hash_ids(text, [7, 8, 9, token, token] + tail, ckpt / "tokenizer.json", [False] * 3 + [True] * 2 + [False] * 3)
     start = engram_hash_ids(text, tail, ckpt / "tokenizer.json")
-    plain = engram_hash_ids(text, [7, 8, 9, 4090, 4090] + tail, ckpt / "tokenizer.json")
+    plain = engram_hash_ids(text, [7, 8, 9, token, token] + tail, ckpt / "tokenizer.json")
     for layer in start:
         assert torch.equal(after[layer][5:], start[layer])
         assert not torch.equal(plain[layer][5:], start[layer])  # without the cut the n-grams read the image ids
@@ -331,7 +332,7 @@ def test_a_span_cut_by_chunked_prefill_matches_the_oracle(ckpt, spec):
     _engine_reads_images()
     _, token = spec
     llm = LLM(model=str(ckpt), **dict(ENGINE, max_num_batched_tokens=16, max_prefill_chunk=16))
-    ids, images = _text(5, 50) + [token] + _text(12, 51), [_image(300, 200, 9)]  # a 30-token span over three chunks
+    ids, images = _text(5, 50) + [token] + _text(12, 51), [_image(400, 250, 9)]  # a span over three chunks
     _check(ckpt, spec, _run(llm, ids, images, greedy(3, True)), ids, images)
 
 
