@@ -43,6 +43,10 @@ many entries score exactly 0 after the relu) are broken towards the lower index
 (older entry, lower block), as a stable sort does; the published code leaves the
 order to ``torch.topk``, so there it is unspecified.
 
+``splice`` (``Splice``) puts images in the prompt: the rows replace the token
+embeddings at the image positions, which choose experts with ``gate.bias_vl``
+and are dead for Engram (``tests/helpers/v41_vision_oracle.py`` builds it).
+
 The published code's cache-free path (``use_cache=False``) concatenates the
 second KV source's entries onto the first source's; its cached path, the one
 ``forward`` takes by default, gives each KV source its own entries. The oracle
@@ -97,6 +101,19 @@ class OracleResult:
 
 
 @dataclass
+class Splice:
+    """Images in a prompt: which positions hold image tokens and the rows that replace their token embeddings."""
+
+    #: ``[T]`` bool: the image positions
+    mask: torch.Tensor
+    #: ``[T, hidden]`` float64: the embedding of each image position (other rows are not read)
+    rows: torch.Tensor
+
+    def __getitem__(self, part: slice) -> "Splice":
+        return Splice(self.mask[part], self.rows[part])
+
+
+@dataclass
 class _Run:
     """How one forward runs: the rounding, and for a bounded replay the first position it computes, the
     first position whose compressed windows it computes, and the forward over the cached prefix."""
@@ -105,6 +122,7 @@ class _Run:
     start: int = 0
     first: int = 0
     prior: OracleResult | None = None
+    splice: Splice | None = None
     entries: dict[int, torch.Tensor] = field(default_factory=dict)
     index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -206,10 +224,12 @@ def compressed_token_map(tokenizer_file: Path) -> tuple[list[int], int]:
     return lookup, len(ids)
 
 
-def engram_hash_ids(text: dict, token_ids: list[int], tokenizer_file: Path) -> dict[int, torch.Tensor]:
+def engram_hash_ids(text: dict, token_ids: list[int], tokenizer_file: Path,
+                    dead: list[bool] | None = None) -> dict[int, torch.Tensor]:
     """Layer -> ``[T, (N-1)·heads]`` table rows: for n = 2..N the XOR of the multiplied compressed ids
     of the n tokens ending at a position (the pad id before the start), modulo each head's prime, plus
-    that (n, head) pair's offset in the layer's table."""
+    that (n, head) pair's offset in the layer's table. A ``dead`` position (an image token) cuts the
+    n-grams reaching it as the start does: it and every older position read as the pad id."""
     lookup, size = compressed_token_map(tokenizer_file)
     if size != text["engram_compressed_vocab_size"]:
         raise ValueError(f"compressed vocabulary {size} != engram_compressed_vocab_size {text['engram_compressed_vocab_size']}")
@@ -225,7 +245,10 @@ def engram_hash_ids(text: dict, token_ids: list[int], tokenizer_file: Path) -> d
         offsets = np.concatenate([[0], np.cumsum(flat)[:-1]])
         rows = np.zeros((len(comp), len(flat)), dtype=np.int64)
         for pos in range(len(comp)):
-            window = [comp[pos - s] if pos - s >= 0 else pad for s in range(n)]
+            window, cut = [], False
+            for s in range(n):
+                cut = cut or pos - s < 0 or bool(dead and dead[pos - s])
+                window.append(pad if cut else comp[pos - s])
             acc = int(window[0]) * int(mult[li, 0])
             col = 0
             for s in range(1, n):
@@ -248,9 +271,11 @@ def engram_rows(tensors: CheckpointTensors, layer: int, rows: torch.Tensor) -> t
     return values.view(*rows.shape, -1)
 
 
-def engram(streams: torch.Tensor, rows: torch.Tensor, tensors: CheckpointTensors, layer: int, text: dict) -> torch.Tensor:
+def engram(streams: torch.Tensor, rows: torch.Tensor, tensors: CheckpointTensors, layer: int, text: dict,
+           image: torch.Tensor | None = None) -> torch.Tensor:
     """Adds one value per token to every stream, each stream gated by the sigmoid of the signed square
-    root of its RMS-normalised, ``q_weight·k_weight``-weighted dot product with its own key."""
+    root of its RMS-normalised, ``q_weight·k_weight``-weighted dot product with its own key; nothing at
+    the ``image`` positions (``[T]`` bool)."""
     hc, d, eps = text["hc_mult"], text["hidden_size"], text["rms_norm_eps"]
     emb = engram_rows(tensors, layer, rows).flatten(1)
     kv = emb @ tensors(f"layers.{layer}.engram.wkv.weight").t()
@@ -259,6 +284,8 @@ def engram(streams: torch.Tensor, rows: torch.Tensor, tensors: CheckpointTensors
     inv = torch.rsqrt(streams.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
     dot = (streams * w * key).sum(-1) * inv / math.sqrt(d)
     gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    if image is not None:
+        gate = gate.masked_fill(image[:, None], 0.0)
     return streams + gate[:, :, None] * value[:, None, :]
 
 
@@ -430,8 +457,10 @@ def expert(x: torch.Tensor, tensors: CheckpointTensors, prefix: str, limit: floa
     return (F.silu(gate) * up) @ tensors(prefix + "w2.weight").t()
 
 
-def moe(x: torch.Tensor, tensors: CheckpointTensors, layer: int, text: dict, shared: _Shared) -> torch.Tensor:
-    """Routed experts chosen by biased scores, weighted by unbiased ones, plus the shared expert."""
+def moe(x: torch.Tensor, tensors: CheckpointTensors, layer: int, text: dict, shared: _Shared,
+        image: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts chosen by biased scores (``gate.bias_vl`` at the ``image`` positions, ``[T]`` bool),
+    weighted by unbiased ones, plus the shared expert."""
     p = f"layers.{layer}.ffn."
     logits = x @ tensors(p + "gate.weight").t() / text["gate_temp"]
     fn = text["scoring_func"]
@@ -442,7 +471,10 @@ def moe(x: torch.Tensor, tensors: CheckpointTensors, layer: int, text: dict, sha
     else:
         scores = torch.softmax(logits, dim=-1)
     k = text["num_experts_per_tok"]
-    biased = scores + tensors(p + "gate.bias")
+    bias = tensors(p + "gate.bias")
+    if image is not None and bool(image.any()):
+        bias = torch.where(image[:, None], tensors(p + "gate.bias_vl"), bias)
+    biased = scores + bias
     shared.note(biased, k)
     chosen = biased.topk(k, dim=-1).indices
     weights = scores.gather(1, chosen)
@@ -462,22 +494,26 @@ def moe(x: torch.Tensor, tensors: CheckpointTensors, layer: int, text: dict, sha
 
 
 def oracle_forward(directory: str | Path, token_ids: list[int], overrides: dict[str, torch.Tensor] | None = None,
-                   swap_collapse: bool = False, rounding: bool | None = None, hit: int = 0, replay: int = 0) -> OracleResult:
+                   swap_collapse: bool = False, rounding: bool | None = None, hit: int = 0, replay: int = 0,
+                   splice: Splice | None = None) -> OracleResult:
     """The dense forward of one sequence at positions ``0..T-1``; with ``hit``, the bounded replay of a
     prefix hit of ``hit`` tokens recomputing the last ``replay`` of them (logits from ``hit - replay``).
 
-    ``rounding``: see the module docstring. ``overrides`` replaces checkpoint tensors by name;
-    ``swap_collapse`` collapses each site with its OWN ``pre`` instead of the previous site's (both exist
-    only to show the comparison can fail)."""
+    ``rounding``: see the module docstring. ``splice``: images in the prompt (``Splice``, over all ``T``).
+    ``overrides`` replaces checkpoint tensors by name; ``swap_collapse`` collapses each site with its OWN ``pre``
+    instead of the previous site's (both exist only to show the comparison can fail)."""
     directory = Path(directory)
     text = _load_text_config(directory)
     tensors = CheckpointTensors(directory)
     tensors.overrides = dict(overrides or {})
     rnd = _check_rounding(text, rounding)
+    if splice is not None and splice.mask.shape[0] != len(token_ids):
+        raise ValueError(f"a splice of {splice.mask.shape[0]} positions for {len(token_ids)} tokens")
     if not hit:
-        return _forward(directory, text, tensors, token_ids, swap_collapse, _Run(rnd))
-    prior = _forward(directory, text, tensors, token_ids[:hit], swap_collapse, _Run(rnd))
-    result = _forward(directory, text, tensors, token_ids, swap_collapse, _Run(rnd, hit - replay, hit, prior))
+        return _forward(directory, text, tensors, token_ids, swap_collapse, _Run(rnd, splice=splice))
+    prior = _forward(directory, text, tensors, token_ids[:hit], swap_collapse,
+                     _Run(rnd, splice=None if splice is None else splice[:hit]))
+    result = _forward(directory, text, tensors, token_ids, swap_collapse, _Run(rnd, hit - replay, hit, prior, splice))
     result.min_margin, result.exact_ties = min(result.min_margin, prior.min_margin), result.exact_ties + prior.exact_ties
     return result
 
@@ -492,8 +528,15 @@ def _forward(directory: Path, text: dict, tensors: CheckpointTensors, token_ids:
 
     ids = torch.tensor(token_ids[run.start:], dtype=torch.long)
     positions = torch.arange(run.start, len(token_ids))
-    hashes = engram_hash_ids(text, token_ids, directory / "tokenizer.json") if text.get("engram_layer_ids") else {}
-    streams = tensors("embed.weight")[ids][:, None, :].expand(-1, hc, -1).clone()
+    image = None if run.splice is None else run.splice[run.start:]
+    dead = None if run.splice is None else run.splice.mask.tolist()
+    hashes = engram_hash_ids(text, token_ids, directory / "tokenizer.json", dead) if text.get("engram_layer_ids") else {}
+    if image is None:
+        embeddings = tensors("embed.weight")[ids]
+    else:  # an image position's id (the placeholder) need not be a row of the vocabulary
+        embeddings = torch.where(image.mask[:, None], image.rows, tensors("embed.weight")[ids.masked_fill(image.mask, 0)])
+    streams = embeddings[:, None, :].expand(-1, hc, -1).clone()
+    image_mask = None if image is None else image.mask
     pre = torch.zeros(len(ids), hc, dtype=DTYPE)
     pre[:, 0] = 1.0
     shared = _Shared()
@@ -501,7 +544,7 @@ def _forward(directory: Path, text: dict, tensors: CheckpointTensors, token_ids:
     for layer in range(text["num_hidden_layers"]):
         p = f"layers.{layer}."
         if layer in hashes:
-            streams = engram(streams, hashes[layer][run.start:], tensors, layer, text)
+            streams = engram(streams, hashes[layer][run.start:], tensors, layer, text, image_mask)
         a_pre, a_post, a_comb = hc_mixes(streams, tensors(p + "hc_attn_fn"), tensors(p + "hc_attn_scale"),
                                          tensors(p + "hc_attn_base"), text)
         x = rms_norm(hc_collapse(streams, a_pre if swap_collapse else pre), tensors(p + "attn_norm.weight"), eps)
@@ -510,7 +553,7 @@ def _forward(directory: Path, text: dict, tensors: CheckpointTensors, token_ids:
         f_pre, f_post, f_comb = hc_mixes(streams, tensors(p + "hc_ffn_fn"), tensors(p + "hc_ffn_scale"),
                                          tensors(p + "hc_ffn_base"), text)
         x = rms_norm(hc_collapse(streams, f_pre if swap_collapse else a_pre), tensors(p + "ffn_norm.weight"), eps)
-        streams = hc_expand(moe(x, tensors, layer, text, shared), streams, f_post, f_comb)
+        streams = hc_expand(moe(x, tensors, layer, text, shared, image_mask), streams, f_post, f_comb)
         result.streams[layer] = streams
         pre = f_pre
     h = rms_norm(hc_collapse(streams, pre), tensors("norm.weight"), eps)
