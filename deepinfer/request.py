@@ -17,6 +17,7 @@ from .step import PLACEHOLDER, SampleSpec
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
     from .kv_transfer.sequence_state import SequenceState
+    from .multimodal import ImageSpan
     from .spec_decode.spec_state import SpecState
 
 
@@ -82,6 +83,8 @@ class Request:
     hold_kv: bool = False
     #: its prompt's state computed by another engine, installed when it is first scheduled (disaggregated decode)
     imported: SequenceState | None = None
+    #: its prompt's images, in prompt order: where each span sits and its preprocessed pixels (shared by its siblings)
+    images: tuple[ImageSpan, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_token_ids, array):

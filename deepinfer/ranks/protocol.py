@@ -38,7 +38,8 @@ class PackedState:
 class AddRequest:
     rank: int
     request_id: str
-    prompt: str | list[int]
+    #: text, token ids, or a mapping with ``multi_modal_data`` (``deepinfer.prompts``)
+    prompt: str | list[int] | dict[str, Any]
     params: SamplingParams | dict[str, Any] | None
     #: prefill role: keep its cache when it finishes; the rank exports its state into its last report
     hold_kv: bool = False
