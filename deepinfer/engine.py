@@ -200,8 +200,8 @@ class Engine:
             raise InvalidRequestError(NO_TOWER)
 
     def add_request(
-        self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None,
-        *, hold_kv: bool = False, prefilled: PrefilledRequest | None = None,
+        self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams | Mapping[str, Any] | None = None,
+        request_id: str | None = None, *, hold_kv: bool = False, prefilled: PrefilledRequest | None = None,
     ) -> Request:
         """Queue one prompt (``params.n`` completions of it); an invalid one is returned already finished with its error.
 
@@ -241,7 +241,9 @@ class Engine:
                 )
             if prefilled is not None and (why := storage_mismatch(self.runner.cache, prefilled.state)) is not None:
                 raise InvalidRequestError(why)
-            children = [req] + [Request(f"{request_id}#{i}", text, ids, params, index=i, fork_source=req, images=read.images) for i in range(1, params.n)]
+            children = [req] + [
+                Request(f"{request_id}#{i}", text, ids, params, index=i, fork_source=req, images=read.images) for i in range(1, params.n)
+            ]
             for child in children:
                 child.siblings = children
                 if params.structured_outputs is not None:

@@ -156,7 +156,9 @@ def _read_file(path: Path, limits: ImageLimits) -> bytes:
         _check_bytes(path.stat().st_size, limits)
         return path.read_bytes()
     except OSError as exc:
-        raise ImageInputError(f"image file {_short(str(path))} cannot be read ({exc.strerror or exc}); check the path and its permissions") from None
+        raise ImageInputError(
+            f"image file {_short(str(path))} cannot be read ({exc.strerror or exc}); check the path and its permissions"
+        ) from None
 
 
 def _fetch(url: str, limits: ImageLimits) -> bytes:

@@ -125,7 +125,8 @@ def _image(where: str, part: Mapping[str, Any], kind: str) -> Any:
         value = value.get("url") if isinstance(value, Mapping) else value
         if not isinstance(value, str) or not value:
             raise ChatFormatError(
-                f"{where} has an image_url part without a url; give {{'type': 'image_url', 'image_url': {{'url': 'data:image/png;base64,...'}}}}"
+                f"{where} has an image_url part without a url; "
+                "give {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}"
             )
     elif value is None:
         raise ChatFormatError(f"{where} has an image_pil part without an image; give {{'type': 'image_pil', 'image_pil': image}}")

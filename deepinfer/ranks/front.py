@@ -111,7 +111,8 @@ class ExpertParallelEngine:
     # ----- requests -----
 
     def add_request(
-        self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None,
+        self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams | Mapping[str, Any] | None = None,
+        request_id: str | None = None,
         *, hold_kv: bool = False, prefilled: PrefilledRequest | None = None,
     ) -> RemoteRequest:
         """Queue a prompt on the rank with the fewest outstanding tokens (``hold_kv`` and ``prefilled`` as for

@@ -25,7 +25,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    return LLM(model=str(ckpt[0]), backend="cpu", max_model_len=128, max_images_per_prompt=2)
+    return LLM(model=str(ckpt[0]), backend="cpu", max_model_len=128, max_images_per_prompt=2, enforce_eager=True)
 
 
 def _expect_run(out) -> None:
@@ -122,7 +122,7 @@ def test_chat_with_a_bad_image_fails_that_conversation_only(llm):
 
 def test_a_checkpoint_without_a_vision_tower_refuses_images_per_request(tmp_path):
     directory, image_id = write_image_checkpoint(tmp_path / "novision", vision=None)
-    llm = LLM(model=str(directory), backend="cpu")
+    llm = LLM(model=str(directory), backend="cpu", enforce_eager=True)
     image, text = llm.generate([{"prompt_token_ids": [5, image_id], "multi_modal_data": {"image": gradient_image(16, 16)}}, [5, 6]], PARAMS)
     assert image.error == "this checkpoint reads no images: its config.json has no vision_config; send text only"
     assert text.error is None
@@ -133,7 +133,7 @@ def test_a_checkpoint_without_a_vision_tower_refuses_images_per_request(tmp_path
 
 
 def test_a_text_only_family_keeps_its_refusal():
-    llm = LLM(backend="cpu")
+    llm = LLM(backend="cpu", enforce_eager=True)
     out = llm.generate([{"prompt": "hi", "multi_modal_data": {"image": gradient_image(16, 16)}}], PARAMS)[0]
     assert out.error == "images are not supported: DeepSeek-V4 is a text-only model; send text only"
     conv = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": "x.png"}]}]
