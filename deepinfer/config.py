@@ -86,6 +86,13 @@ class EngineConfig(BaseModel):
         None, description="bytes each class may hold (one size for all, or class -> size, e.g. '80GB'); past it the least recently used go"
     )
     kv_store_default_class: str | None = Field(None, description="class of requests without cache_class (None: the first retention class)")
+    max_images_per_prompt: int = Field(16, ge=0, description="most images one prompt may carry (0: none)")
+    max_image_bytes: int = Field(20 << 20, gt=0, description="largest encoded image accepted, in bytes (a data URI's payload, a file, a download)")
+    max_image_pixels: int = Field(
+        64 << 20, gt=0, description="largest decoded image accepted, width x height in pixels (checked from the header, before decoding)"
+    )
+    allow_remote_images: bool = Field(False, description="fetch http(s) image URLs; off: images come as data URIs, local files, bytes or PIL images")
+    image_fetch_timeout_s: float = Field(10.0, gt=0, description="seconds one remote image fetch may take (with allow_remote_images)")
 
     @field_validator("speculative_method", mode="before")
     @classmethod

@@ -27,11 +27,13 @@ from .kv_cache_manager import KVCacheManager
 from .kv_transfer import PrefilledRequest
 from .kv_transfer.sequence_state import SequenceState, storage_mismatch
 from .kv_store import KVStore, PartShape, StoreStats, open_store, store_line
-from .loader import load_tokenizer, read_generation_config
+from .image_input import ImageLimits
+from .loader import load_tokenizer, read_config, read_generation_config
 from .models.common.config import ModelConfig
-from .models.registry import check_prompt
 from .model_runner import ModelRunner
+from .multimodal import ImageSpan
 from .outputs import CompletionOutput, RequestOutput
+from .prompts import PromptReader
 from .registry import SelectedBackend, select_backend
 from .request import Request, RequestStatus, token_array
 from .sampler import to_logprobs
@@ -47,6 +49,7 @@ from .structured_output import StructuredOutputManager
 log = logging.getLogger("deepinfer")
 
 BUNDLED_MODEL = Path(__file__).parent / "bundled" / "tiny-v4"
+#: why a request with images fails on a model whose family reads them but that built no vision tower
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -56,17 +59,6 @@ def resolve_model_dir(model: str | None) -> Path:
     if not (BUNDLED_MODEL / "config.json").is_file():
         raise ConfigError(f"no model given and the bundled model is missing at {BUNDLED_MODEL}; pass --model DIR")
     return BUNDLED_MODEL
-
-
-def text_prompt(prompt: Any, model_type: str) -> str | list[int]:
-    """A prompt as text or token ids: vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` forms are
-    unwrapped; what the model cannot read (images, for a text-only family) is refused in one line."""
-    check_prompt(model_type, prompt)
-    if isinstance(prompt, dict):
-        prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)):
-        return prompt if isinstance(prompt, str) else list(prompt)
-    raise InvalidRequestError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}; pass a str or list[int]")
 
 
 def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_model_len: int, param: str | None = None) -> None:
@@ -98,6 +90,7 @@ class Engine:
         self.runner = ModelRunner(self.backend, model_dir, config, self.stats, sharding)
         self.tokenizer = load_tokenizer(model_dir)
         mc = self.runner.config
+        self.prompts = PromptReader(self.tokenizer, mc.model_type, read_config(model_dir), ImageLimits.from_config(config))
         self.vocab_size = mc.vocab_size
         self.max_model_len = self.runner.max_model_len
         gen = read_generation_config(model_dir)
@@ -200,11 +193,19 @@ class Engine:
     def _validate(self, prompt_ids: list[int]) -> None:
         check_prompt_ids(prompt_ids, self.vocab_size, self.max_model_len)
 
+    def _check_images(self, images: tuple[ImageSpan, ...]) -> None:
+        """Refuse images the model cannot encode (its family reads them, but no vision tower was built)."""
+        if images and (why := self.runner.model.image_blocker()) is not None:
+            raise InvalidRequestError(why)
+
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None,
-        *, hold_kv: bool = False, prefilled: PrefilledRequest | None = None,
+        self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams | Mapping[str, Any] | None = None,
+        request_id: str | None = None, *, hold_kv: bool = False, prefilled: PrefilledRequest | None = None,
     ) -> Request:
         """Queue one prompt (``params.n`` completions of it); an invalid one is returned already finished with its error.
+
+        ``prompt``: text, token ids, or vLLM's ``{"prompt": ..., "multi_modal_data": {"image": ...}}`` (``prompts``:
+        each image placeholder is expanded into its image's span, kept in ``Request.images``).
 
         ``hold_kv``: keep its cache when it finishes, for ``export_prefilled`` (a prefill engine of a disaggregated
         pair). ``prefilled``: its prompt was computed by another engine; that state is installed and the tokens
@@ -214,8 +215,8 @@ class Engine:
         req = Request(request_id, text, [], SamplingParams())
         self.requests[request_id] = req
         try:
-            prompt = text_prompt(prompt, self.runner.config.model_type)
-            text = req.prompt = prompt if isinstance(prompt, str) else None
+            read = self.prompts.read(prompt)
+            text = req.prompt = read.text
             if params is None:
                 params = SamplingParams()
             elif not isinstance(params, SamplingParams):
@@ -226,9 +227,10 @@ class Engine:
                     self.store.policy.class_for(params.cache_class)
                 except ValueError as exc:
                     raise InvalidRequestError(str(exc)) from None
-            listed = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
-            self._validate(listed)
-            req.prompt_token_ids = ids = token_array(listed)
+            self._validate(read.token_ids)
+            req.prompt_token_ids = ids = token_array(read.token_ids)
+            req.images = read.images
+            self._check_images(read.images)
             if (hold_kv or prefilled is not None) and params.n != 1:
                 raise InvalidRequestError("a disaggregated request has one completion; use n=1", "n")
             if prefilled is not None and prefilled.state.num_tokens != len(ids):
@@ -238,8 +240,9 @@ class Engine:
                 )
             if prefilled is not None and (why := storage_mismatch(self.runner.cache, prefilled.state)) is not None:
                 raise InvalidRequestError(why)
-            children = [req] + [Request(f"{request_id}#{i}", text, ids, params, index=i, fork_source=req, images=req.images)
-                                for i in range(1, params.n)]
+            children = [req] + [
+                Request(f"{request_id}#{i}", text, ids, params, index=i, fork_source=req, images=read.images) for i in range(1, params.n)
+            ]
             for child in children:
                 child.siblings = children
                 if params.structured_outputs is not None:

@@ -72,7 +72,8 @@ class EngineClient(Protocol[Handle]):
     def has_unfinished(self) -> bool: ...
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None,
+        self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams | Mapping[str, Any] | None = None,
+        request_id: str | None = None,
         *, hold_kv: bool = False, prefilled: PrefilledRequest | None = None,
     ) -> Handle:
         """Queue one prompt; an invalid one comes back already finished with its error."""

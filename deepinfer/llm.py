@@ -10,11 +10,14 @@ from .chat import ChatFormat, ChatPrompt, Conversation, chat_format_for, format_
 from .config import load_config
 from .engine import resolve_model_dir
 from .engine_client import EngineClient
+from .loader import read_config
 from .outputs import RequestOutput
+from .prompts import image_placeholder
 from .ranks.engines import make_engine
 from .sampling_params import SamplingParams
 
-#: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+#: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}, either with
+#: "multi_modal_data": {"image": an image or a list} (PIL images, bytes, data URIs, file paths)
 Prompt = str | list[int] | Mapping[str, Any]
 Params = SamplingParams | Mapping[str, Any]
 
@@ -30,6 +33,7 @@ class LLM:
         self.config = load_config({"model": model, **kwargs}, config, explicit=True)
         self.engine: EngineClient = make_engine(self.config)
         self._default_chat_format: ChatFormat | None = None
+        self._image_placeholder: str | None = None
 
     def close(self) -> None:
         """Stop the engine's rank processes (expert parallelism); the engine is unusable afterwards."""
@@ -85,10 +89,11 @@ class LLM:
         sampling_params: Params | Sequence[Params] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids); outputs come back in prompt order.
+        """Complete every prompt (text, token ids, or vLLM's ``{"prompt": ..., "multi_modal_data": {"image": ...}}``
+        with one image placeholder token where each image goes); outputs come back in prompt order.
 
         A request with bad input (empty or too long prompt, token ids outside the
-        vocabulary, an invalid sampling value given as a mapping) does not raise:
+        vocabulary, a bad image, an invalid sampling value given as a mapping) does not raise:
         its ``RequestOutput.error`` holds the one-line reason and every other
         request completes. ``SamplingParams(...)`` itself raises on invalid values.
         """
@@ -127,14 +132,17 @@ class LLM:
         format (see ``format_chat``) and generated like a ``generate`` prompt;
         ``RequestOutput.prompt`` is the formatted text. ``thinking=True`` (or
         ``chat_template_kwargs={"thinking": True}``) opens the reply in thinking
-        mode. A malformed conversation, or a model with no chat format, raises
-        ``ChatFormatError`` (one line).
+        mode. Content parts may carry images (``{"type": "image_url", "image_url":
+        {"url": data URI or file path}}``, or ``image_pil``): each becomes the
+        model's image placeholder and the images go with the prompt; a bad image
+        fails its own conversation's output. A malformed conversation, or a model
+        with no chat format, raises ``ChatFormatError`` (one line).
         """
         prompts = self.format_chat(
             messages, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, thinking=thinking,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tools=tools,
         )
-        outputs = self.generate([p.token_ids for p in prompts], sampling_params, use_tqdm)
+        outputs = self.generate([p.engine_prompt() for p in prompts], sampling_params, use_tqdm)
         for out, prompt in zip(outputs, prompts):
             out.prompt = prompt.text
         return outputs
@@ -163,7 +171,15 @@ class LLM:
         return format_chat(
             self._chat_format(chat_template), self.engine.tokenizer, messages, tools=tools,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, kwargs=kwargs,
+            image_placeholder=self._placeholder(),
         )
+
+    def _placeholder(self) -> str | None:
+        """The model's image placeholder text (None: it reads no images), read once."""
+        if self._image_placeholder is None:
+            raw = read_config(resolve_model_dir(self.config.model))
+            self._image_placeholder = image_placeholder(raw, self.engine.tokenizer) or ""
+        return self._image_placeholder or None
 
     def _chat_format(self, chat_template: str | None) -> ChatFormat:
         if chat_template is None and self._default_chat_format is not None:

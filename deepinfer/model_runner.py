@@ -609,11 +609,10 @@ class ModelRunner:
         spans = [span for s in compute for span in s.images]
         if not spans:
             return None
-        encode = getattr(self.model, "encode_images", None)
-        if encode is None:
-            raise ConfigError(f"the {self.config.model_type} model at {self.model_dir} has no vision tower; send text prompts")
+        if (why := self.model.image_blocker()) is not None:
+            raise ConfigError(why)
         t0 = time.perf_counter()
-        encoded = self.images.ensure(spans, encode)
+        encoded = self.images.ensure(spans, self.model.encode_images)
         if encoded:
             self.stats.images_encoded += encoded
             self.stats.image_encoder_calls += 1

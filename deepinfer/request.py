@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .multimodal import ImageSpan
     from .detokenizer import IncrementalDetokenizer
     from .kv_transfer.sequence_state import SequenceState
+    from .multimodal import ImageSpan
     from .spec_decode.spec_state import SpecState
 
 
@@ -83,7 +84,7 @@ class Request:
     hold_kv: bool = False
     #: its prompt's state computed by another engine, installed when it is first scheduled (disaggregated decode)
     imported: SequenceState | None = None
-    #: the images of its prompt, in prompt order (their positions hold the image placeholder id)
+    #: its prompt's images, in prompt order: where each span sits and its preprocessed pixels (shared by its siblings)
     images: tuple[ImageSpan, ...] = ()
 
     def __post_init__(self) -> None:

@@ -26,10 +26,17 @@ from .messages import Message, is_single_conversation, parse_conversation
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """A formatted conversation: the prompt text and its token ids."""
+    """A formatted conversation: the prompt text, its token ids and its images in order (one placeholder each)."""
 
     text: str
     token_ids: list[int]
+    images: tuple[Any, ...] = ()
+
+    def engine_prompt(self) -> list[int] | dict[str, Any]:
+        """What the engine takes: the token ids, with the images as vLLM's ``multi_modal_data`` when there are any."""
+        if not self.images:
+            return self.token_ids
+        return {"prompt_token_ids": self.token_ids, "multi_modal_data": {"image": list(self.images)}}
 
 
 class ChatFormat(Protocol):
@@ -142,8 +149,10 @@ def format_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     kwargs: Mapping[str, Any] | None = None,
+    image_placeholder: str | None = None,
 ) -> list[ChatPrompt]:
-    """Format one conversation (a list of message dicts) or a list of them; one ChatPrompt each."""
+    """Format one conversation (a list of message dicts) or a list of them; one ChatPrompt each.
+    ``image_placeholder``: the text an image part becomes (None: the model reads no images)."""
     if add_generation_prompt and continue_final_message:
         raise ChatFormatError("continue_final_message=True continues the last assistant message; set add_generation_prompt=False with it")
     conversations = [messages] if is_single_conversation(messages) else messages
@@ -152,7 +161,7 @@ def format_chat(
     prompts = []
     for k, conv in enumerate(conversations):
         try:
-            parsed = parse_conversation(conv)
+            parsed = parse_conversation(conv, image_placeholder)
             if continue_final_message and parsed[-1].role != "assistant":
                 raise ChatFormatError("continue_final_message=True needs the conversation to end with an assistant message")
             text = fmt.render(
@@ -163,5 +172,5 @@ def format_chat(
             if len(conversations) == 1:
                 raise
             raise ChatFormatError(f"conversation {k}: {exc}") from None
-        prompts.append(ChatPrompt(text, encode_prompt(tokenizer, text)))
+        prompts.append(ChatPrompt(text, encode_prompt(tokenizer, text), tuple(i for m in parsed for i in m.images)))
     return prompts

@@ -8,7 +8,7 @@ asks here for the config, the model and the prompt rules of a checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -18,6 +18,7 @@ from ..errors import CheckpointError, ConfigError
 from ..loader import read_config
 from .common.causal_lm import CausalLM
 from .common.config import ModelConfig
+from .common.images import ImageReader
 from .common.moe import ExpertSharding
 from .deepseek_v4 import FAMILY as DEEPSEEK_V4
 from .deepseek_v41 import FAMILY as DEEPSEEK_V41
@@ -93,6 +94,15 @@ def check_prompt(model_type: str, prompt: object) -> None:
     family = family_named(model_type)
     if family is not None:
         family.check_prompt(prompt)
+
+
+def image_reader(raw: Mapping[str, Any]) -> ImageReader | None:
+    """The image reader of the checkpoint whose ``config.json`` is ``raw``: None for a text-only family (whose
+    ``check_prompt`` refuses images); a checkpoint without a vision tower raises a one-line ``ConfigError``."""
+    family = family_of(dict(raw))
+    if family is None or family.image_reader is None:
+        return None
+    return family.image_reader(raw)
 
 
 def chat_encoder(model_type: str | None) -> str | None:

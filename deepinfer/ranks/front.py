@@ -111,7 +111,8 @@ class ExpertParallelEngine:
     # ----- requests -----
 
     def add_request(
-        self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams | Mapping[str, Any] | None = None, request_id: str | None = None,
+        self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams | Mapping[str, Any] | None = None,
+        request_id: str | None = None,
         *, hold_kv: bool = False, prefilled: PrefilledRequest | None = None,
     ) -> RemoteRequest:
         """Queue a prompt on the rank with the fewest outstanding tokens (``hold_kv`` and ``prefilled`` as for
@@ -142,12 +143,14 @@ class ExpertParallelEngine:
             commands, self._queued = self._queued, []
             self._group.send(commands)
 
-    def _cost(self, prompt: Any, params: SamplingParams | Mapping[str, Any] | None, prefilled: bool = False) -> int:
-        """Tokens the request will cost its rank: its prompt (none when prefilled elsewhere) and its outputs. A prompt
-        in vLLM's form (a mapping, maybe with images: the rank expands them) counts its text or ids."""
+    def _cost(self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams | Mapping[str, Any] | None,
+              prefilled: bool = False) -> int:
+        """Tokens the request will cost its rank: its prompt (none when prefilled elsewhere; its images' spans
+        not counted) and its outputs."""
         if isinstance(prompt, Mapping):
-            prompt = prompt.get("prompt_token_ids", prompt.get("prompt", ""))
-        n_prompt = 0 if prefilled else len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(str(prompt)).ids)
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        n_prompt = len(self.tokenizer.encode(prompt).ids) if isinstance(prompt, str) else len(prompt) if isinstance(prompt, (list, tuple)) else 0
+        n_prompt = 0 if prefilled else n_prompt
         if isinstance(params, SamplingParams):
             return n_prompt + params.max_tokens * params.n
         p = dict(params or {})

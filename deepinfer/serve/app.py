@@ -180,7 +180,7 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
                 messages=body.messages, tools=body.tools, reasoning_effort=body.reasoning_effort,
                 chat_template_kwargs=body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-            ), state)[1]
+            ), state).token_ids
         else:
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
@@ -207,7 +207,7 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
         """What SGLang's router asks a worker when it registers it."""
         return {"model_path": state.info.get("model_path"), "tokenizer_path": state.info.get("model_path"), "is_generation": True,
                 "model_type": state.info.get("model_type"), "served_model_name": state.model_names[0],
-                "has_image_understanding": False, "has_audio_understanding": False, "max_model_len": state.max_model_len}
+                "has_image_understanding": state.image_placeholder is not None, "has_audio_understanding": False, "max_model_len": state.max_model_len}
 
     @app.get("/bootstrap/rooms/{room}")
     async def bootstrap_room(room: str, wait: float = 0.0) -> JSONResponse:

@@ -216,7 +216,7 @@ class AsyncEngine:
         return self._load
 
     def submit(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, num_prompt_tokens: int, *,
+        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, num_prompt_tokens: int, *,
         hold_kv: bool = False, kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Send a request for the next step; raises when the engine is dead or too many requests wait.

@@ -3,6 +3,8 @@ reasoning, content and tool calls (in streaming deltas too)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,8 +13,9 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
-from ..chat import format_chat
+from ..chat import ChatPrompt, format_chat
 from ..errors import ChatFormatError
+from ..image_input import ImageInputError, load_images
 from ..sampling_params import InvalidRequestError
 from .async_engine import RequestStream
 from .chat_parsing import ChatDelta, ChatOutputParser, ParsedChat, parse_chat_output
@@ -25,8 +28,8 @@ from .state import ServerState
 from .streaming import DONE, admit, check_output, final_outputs, merged, release, sse
 
 
-def render(body: ChatCompletionRequest, state: ServerState) -> tuple[str, list[int]]:
-    """The prompt text and token ids of the request's conversation."""
+def render(body: ChatCompletionRequest, state: ServerState) -> ChatPrompt:
+    """The prompt text, token ids and images (not yet decoded) of the request's conversation."""
     if state.chat_format is None:
         raise ChatFormatError(state.chat_format_error or "this model has no chat format; start the server with --chat-template FILE")
     kwargs = dict(body.chat_template_kwargs or {})
@@ -36,11 +39,23 @@ def render(body: ChatCompletionRequest, state: ServerState) -> tuple[str, list[i
     try:
         prompt = format_chat(
             state.chat_format, state.tokenizer, body.messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, kwargs=kwargs,
+            continue_final_message=body.continue_final_message, kwargs=kwargs, image_placeholder=state.image_placeholder,
         )[0]
     except ChatFormatError as exc:
         raise InvalidRequestError(str(exc), _chat_field(str(exc), body)) from None
-    return prompt.text, prompt.token_ids
+    return prompt
+
+
+async def engine_prompt(prompt: ChatPrompt, state: ServerState) -> list[int] | dict[str, Any]:
+    """What the engine takes for ``prompt``: its images decoded off the event loop (a bad one is a 400 naming
+    ``messages``); a model that reads no images gets them as they came, and refuses them."""
+    if prompt.images and state.image_placeholder is not None:
+        try:
+            images = await asyncio.to_thread(load_images, prompt.images, state.image_limits)
+        except ImageInputError as exc:
+            raise InvalidRequestError(str(exc), "messages") from None
+        prompt = dataclasses.replace(prompt, images=tuple(images))
+    return prompt.engine_prompt()
 
 
 def _chat_field(message: str, body: ChatCompletionRequest) -> str:
@@ -71,8 +86,10 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise InvalidRequestError(f"top_logprobs must be between 0 and 20, got {body.top_logprobs}", "top_logprobs")
     tool_parser = _tool_parser(body, state)
-    text, ids = render(body, state)
+    prompt = render(body, state)
+    text, ids = prompt.text, prompt.token_ids
     state.check_prompt(ids, "messages")
+    engine_input = await engine_prompt(prompt, state)
     hold_kv, transfer = await state.transfer(body, 1)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     requested = 1 if hold_kv else requested  # a prefill server samples the first token; the decode server the rest
@@ -80,11 +97,11 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = sampling_params(body, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len, named), logprobs=top)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = state.engine.submit(rid, ids, params, len(ids), hold_kv=hold_kv, kv_transfer_params=transfer)
+    stream = state.engine.submit(rid, engine_input, params, len(ids), hold_kv=hold_kv, kv_transfer_params=transfer)
     room = room_of(body)
     if hold_kv and room is not None and state.rooms is not None:
         post_when_done(state.rooms, room, stream)
-    await admit(state.engine, [stream], state.metrics, constraint_field(body))
+    await admit(state.engine, [stream], state.metrics, constraint_field(body) or ("messages" if prompt.images else None))
     created = int(time.time())
     if body.stream:
         return StreamingResponse(_stream(body, state, rid, model, created, text, ids, stream, tool_parser), media_type="text/event-stream")
@@ -99,7 +116,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
             "finish_reason": _finish_reason(c.finish_reason, parsed.tool_calls),
             "stop_reason": c.stop_reason,
         })
-    counts = usage(len(ids), sum(len(c.token_ids) for c in out.outputs))
+    counts = usage(len(out.prompt_token_ids) if prompt.images else len(ids), sum(len(c.token_ids) for c in out.outputs))  # spans counted
     response = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": counts}
     if hold_kv:
         response["kv_transfer_params"] = out.extra.get("kv_transfer_params")

@@ -39,7 +39,8 @@ IDLE_POLL_S = 0.5
 @dataclass(frozen=True)
 class Add:
     request_id: str
-    prompt: str | list[int]
+    #: text, token ids, or a mapping with ``multi_modal_data`` (``deepinfer.prompts``)
+    prompt: str | list[int] | dict[str, Any]
     params: SamplingParams
     #: prefill role: keep its cache when it finishes and publish it for a decode server
     hold_kv: bool = False

@@ -29,7 +29,9 @@ from ..chat import ChatFormat, JinjaFormat, chat_format_for
 from ..config import EngineConfig
 from ..engine import resolve_model_dir
 from ..errors import ChatFormatError, ConfigError
-from ..loader import load_tokenizer
+from ..image_input import ImageLimits
+from ..loader import load_tokenizer, read_config
+from ..prompts import image_placeholder
 from ..ranks.engines import make_engine
 from ..ranks.launch import torchrun_rank
 from .async_engine import AsyncEngine
@@ -174,6 +176,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         metrics=ServerMetrics(names[0]), chat_format=fmt, chat_format_error=fmt_error, reasoning_parser=options.reasoning_parser,
         tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=facts, disaggregation_mode=options.disaggregation_mode,
         recompute_failed_transfers=options.kv_load_failure_policy == "recompute",
+        image_placeholder=image_placeholder(read_config(model_dir), tokenizer), image_limits=ImageLimits.from_config(config),
     )
     sockets = [sock]
     if options.disaggregation_mode == "prefill":  # SGLang's router sends decode servers here to find each room's state

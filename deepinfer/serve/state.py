@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 
 from ..chat import ChatFormat
 from ..engine import check_prompt_ids
+from ..image_input import ImageLimits
 from ..sampling_params import InvalidRequestError
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
@@ -50,6 +51,10 @@ class ServerState:
     rooms: Rooms | None = None
     #: decode role: a request whose prefill server cannot be reached computes its prompt here instead of failing
     recompute_failed_transfers: bool = False
+    #: the text a chat image part becomes (None: the model reads no images, and a request with images is refused)
+    image_placeholder: str | None = None
+    #: what a request's images may be (the engine's image fields)
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
     async def transfer(self, body: SamplingFields, n_prompts: int) -> tuple[bool, dict[str, Any] | None]:
         """This server's part of a disaggregated request: (hold and publish its state: a prefill server,

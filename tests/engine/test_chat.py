@@ -197,7 +197,7 @@ CALL = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
         ([{"role": "bot", "content": "x"}], {}, "message 0 has role 'bot'; use one of system, user"),
         ([{"role": "user", "content": 3}], {}, "message 0 (user) has content of type int"),
         ([{"role": "user"}], {}, "message 0 (user) has no content"),
-        ([{"role": "user", "content": [{"type": "image_url"}]}], {}, "content part of type 'image_url'"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], {}, "image_url part without a url"),
         ([{"role": "user", "content": "x", "tool_calls": [CALL]}], {}, "only assistant messages make tool calls"),
         (
             [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{no"}}]}],

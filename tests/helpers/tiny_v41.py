@@ -118,14 +118,15 @@ def add_image_token(directory: Path) -> int:
 
 
 def write_tiny_v41(
-    directory: Path, seed: int = 0, engram_value_zero: bool = False, quantized: bool = False, vision: bool = False, **text: Any
+    directory: Path, seed: int = 0, engram_value_zero: bool = False, quantized: bool = False,
+    vision: bool | dict[str, Any] = False, **text: Any,
 ) -> Path:
     """Write a tiny V4.1 checkpoint into ``directory`` (``text`` overrides ``TEXT``); returns it.
 
     ``engram_value_zero``: every Engram projection's value rows are zero, so the layers add nothing.
     ``quantized``: stored as the release stores them (``QUANTIZATION``, top-level ``quantization_config``;
     the vision tower in BF16).
-    ``vision``: with the vision tower ``VISION`` and the image placeholder token."""
+    ``vision``: with a vision tower (``VISION``, or the ``vision_config`` given) and the image placeholder token."""
     from safetensors.torch import save_file
 
     from deepinfer.models.deepseek_v41.model import DeepseekV41Model
@@ -142,7 +143,7 @@ def write_tiny_v41(
         fields.update(_engram_fields(fields, directory))
     raw = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "text_config": fields}
     if vision:
-        raw.update(vision_config=VISION, image_token_id=image_token)
+        raw.update(vision_config=VISION if vision is True else vision, image_token_id=image_token)
     if quantized:
         raw["quantization_config"] = QUANTIZATION
     (directory / "config.json").write_text(json.dumps(raw, indent=1))

@@ -16,7 +16,7 @@ from deepinfer.models.common.causal_lm import CausalLM
 from deepinfer.models.common.config import ModelConfig
 from deepinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
 from deepinfer.models.deepseek_v41 import DeepseekV41Model, V41ModelConfig
-from deepinfer.models.registry import FAMILIES, chat_encoder, check_prompt, family_of, load_config, load_model, parse_config
+from deepinfer.models.registry import FAMILIES, chat_encoder, check_prompt, family_of, image_reader, load_config, load_model, parse_config
 from deepinfer.loader import read_config
 from deepinfer_interfaces import Kernels
 from tests.helpers.published import V4_FLASH, V41_FLASH
@@ -66,12 +66,13 @@ def test_load_model_builds_the_checkpoints_family():
         CausalLM.from_pretrained(BUNDLED_MODEL, Kernels())
 
 
-def test_prompt_rules_and_chat_encoders_are_the_familys():
+def test_prompt_rules_image_readers_and_chat_encoders_are_the_familys():
     image = {"prompt": "x", "multi_modal_data": {"image": b"..."}}
-    for model_type, match in (("deepseek_v4", "DeepSeek-V4 is a text-only model"), ("deepseek_v41", "vision tower")):
-        check_prompt(model_type, "text")
-        with pytest.raises(ConfigError, match=match):
-            check_prompt(model_type, image)
+    check_prompt("deepseek_v4", "text")
+    with pytest.raises(ConfigError, match="DeepSeek-V4 is a text-only model"):
+        check_prompt("deepseek_v4", image)
+    check_prompt("deepseek_v41", image)  # V4.1 refuses nothing up front: its image reader decides
+    assert image_reader(read_config(BUNDLED_MODEL)) is None
     assert chat_encoder("deepseek_v4") == "deepseek_v4" and chat_encoder("deepseek_v41") is None and chat_encoder("llama") is None
 
 

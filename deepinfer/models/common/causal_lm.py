@@ -114,6 +114,10 @@ class CausalLM(ParamTree):
         """The part of the weights a parameter counts in (``backbone`` unless a family keeps it apart)."""
         return "backbone"
 
+    def image_blocker(self) -> str | None:
+        """Why this model cannot read images (None: it encodes them with ``encode_images``)."""
+        return f"the {self.config.model_type} model has no vision tower; send text only"
+
     def graph_blocker(self) -> str | None:
         """Why a step of this model cannot be captured as a graph on its device (None: it can)."""
         return None

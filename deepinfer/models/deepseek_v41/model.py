@@ -91,10 +91,15 @@ class DeepseekV41Model(CausalLM):
     def encode_images(self, spans: list[ImageSpan]) -> list[torch.Tensor]:
         """Each image's span embedding ``[span.length, hidden]`` in the model dtype (its start, rows of patch tokens
         each ended by a newline, its end), every image of the call in one ViT pass; nothing is read back."""
-        if self.vision is None:
-            raise ValueError("this DeepSeek V4.1 checkpoint has no vision tower (config.json declares no vision_config "
-                             "layers); send text only, or load a checkpoint with one")
+        if (why := self.image_blocker()) is not None:
+            raise ValueError(why)
         return self.vision.encode(self.kernels, spans)
+
+    def image_blocker(self) -> str | None:
+        if self.vision is None:
+            return ("this DeepSeek V4.1 checkpoint has no vision tower (config.json declares no vision_config layers); "
+                    "send text only, or load a checkpoint with one")
+        return None
 
     def loaded(self, checkpoint) -> None:
         """Hash the n-grams with the checkpoint's tokenizer."""

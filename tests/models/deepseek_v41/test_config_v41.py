@@ -20,7 +20,6 @@ from deepinfer.errors import ConfigError
 from deepinfer.loader import read_config
 from deepinfer.models.deepseek_v41.config import SHARED
 from deepinfer.models.common.config import SLIDING
-from deepinfer.models.deepseek_v41.prompt import IMAGES_REFUSAL, check_prompt
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.weight_memory import weight_memory
 
@@ -139,18 +138,6 @@ def test_the_engine_config_carries_the_roles_after_the_config_validates(tmp_path
 def test_a_kv_source_must_run_the_indexer():
     with pytest.raises(ConfigError, match=r"kv_source_layer_ids holds \[14\], which index_source_layer_ids .* lacks"):
         DeepseekV41Config.from_hf(_release(index_source_layer_ids=[2, 8, 20, 24, 28, 32, 36]))
-
-
-def test_images_are_refused():
-    check_prompt("a text prompt")
-    check_prompt([{"role": "user", "content": "text"}])
-    for prompt in (
-        {"prompt": "what is this?", "multi_modal_data": {"image": b"..."}},
-        [{"role": "user", "content": [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": "x.png"}]}],
-    ):
-        with pytest.raises(ConfigError) as info:
-            check_prompt(prompt)
-        assert str(info.value) == IMAGES_REFUSAL
 
 
 def test_published_byte_figures_reproduce(tmp_path):

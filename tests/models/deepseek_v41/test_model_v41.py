@@ -17,7 +17,6 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
-from deepinfer.models.deepseek_v41.prompt import IMAGES_REFUSAL
 from deepinfer.models.common import Batch, ContiguousCache
 from deepinfer.models.common.inputs import step_inputs
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model
@@ -230,7 +229,7 @@ def test_an_unknown_engram_vocabulary_is_named(tmp_path):
         load_model(directory, Kernels(), dtype=torch.float32)
 
 
-def test_text_prompts_in_vllm_form_run_and_images_are_refused_per_request(ckpt):
+def test_text_prompts_in_vllm_form_run_and_images_to_a_checkpoint_without_vision_are_refused_per_request(ckpt):
     llm = LLM(model=str(ckpt), backend="cpu")
     params = SamplingParams(temperature=0.0, max_tokens=3)
     text, ids, image = llm.generate(
@@ -238,7 +237,8 @@ def test_text_prompts_in_vllm_form_run_and_images_are_refused_per_request(ckpt):
         params,
     )
     assert len(text.outputs[0].token_ids) == 3 and ids.prompt_token_ids == PROMPT[:12] and text.prompt == "hello there"
-    assert image.error == IMAGES_REFUSAL and not image.outputs[0].token_ids
+    assert image.error == "this checkpoint reads no images: its config.json has no vision_config; send text only"
+    assert not image.outputs[0].token_ids
     assert ids.outputs[0].token_ids == llm.generate(PROMPT[:12], params)[0].outputs[0].token_ids
 
 

@@ -1,0 +1,72 @@
+"""``deepinfer serve`` with images: chat content parts carrying a data URI reach the engine expanded into
+spans; a bad image is a 400 OpenAI error for that request only; the model card says the model reads images."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.helpers.servers import running_server
+from tests.helpers.tiny_images import PLACEHOLDER, data_uri, gradient_image, write_image_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-images")
+    directory, _ = write_image_checkpoint(root / "tiny")
+    (root / "template.jinja").write_text(TEMPLATE)
+    args = ["--model", str(directory), "--backend", "cpu", "--chat-template", str(root / "template.jinja"), "--max-model-len", "256"]
+    with running_server(args, log_dir=root) as srv:
+        yield srv
+
+
+def _chat(server, content, **body) -> httpx.Response:
+    payload = {"messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0.0, **body}
+    return httpx.post(server.url + "/v1/chat/completions", json=payload, timeout=120)
+
+
+def test_a_data_uri_image_reaches_the_engine(server):
+    content = [{"type": "text", "text": "what is this? "}, {"type": "image_url", "image_url": {"url": data_uri(gradient_image(16, 16))}}]
+    got = _chat(server, content)
+    assert got.status_code == 200, got.text
+    usage = got.json()["usage"]
+    text_only = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": content}]}, timeout=60).json()
+    assert usage["prompt_tokens"] == text_only["count"] - 1 + 8  # the placeholder became a span of 8
+    assert usage["completion_tokens"] == 2
+
+
+def test_tokenize_renders_the_placeholder(server):
+    content = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": data_uri(gradient_image(16, 16))}]
+    got = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": content}]}, timeout=60)
+    assert got.status_code == 200
+    ids = got.json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+    assert text == f"user: a{PLACEHOLDER}\nassistant:"
+
+
+def test_bad_images_are_400s_and_the_server_goes_on(server):
+    cases = [
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], "the image data is in no format Pillow reads"),
+        ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}], "remote image URLs are not fetched"),
+        ([{"type": "image_url", "image_url": {"url": "/no/such/cat.png"}}], "image file '/no/such/cat.png' does not exist"),
+        ([{"type": "image_url", "image_url": {}}], "message 0 (user) has an image_url part without a url"),
+    ]
+    for content, start in cases:
+        got = _chat(server, content)
+        assert got.status_code == 400, (content, got.text)
+        error = got.json()["error"]
+        assert error["message"].startswith(start) and error["param"] == "messages" and error["type"] == "invalid_request_error"
+        assert "\n" not in error["message"]
+    typed = _chat(server, [{"type": "text", "text": f"look: {PLACEHOLDER}"}])  # a placeholder typed as text, no image
+    assert typed.status_code == 400 and typed.json()["error"]["message"].startswith("the prompt has 1 image placeholders")
+    ok = _chat(server, "hello")
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_model_card_says_it_reads_images(server):
+    info = httpx.get(server.url + "/model_info", timeout=30).json()
+    assert info["has_image_understanding"] is True and info["model_type"] == "deepseek_v41"
