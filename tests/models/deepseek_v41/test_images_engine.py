@@ -1,8 +1,8 @@
 """Images in prompts through the engine core: block hashes, chunked spans, the encoder cache, bias_vl, Engram.
 
-The vision tower is a test double here (``RecordingTower``): a fixed function of
-each image's patches and span position, counting its calls, set on the loaded
-model's ``encode_images``. What is checked is the engine around it: every span
+The tiny checkpoint's real vision tower encodes the images; the spans are set on
+the requests directly (the front doors have their own tests), and the engine's
+metrics count what the tower encoded. What is checked is the engine around it: every span
 position takes its image's row whatever the chunking, an image is encoded once
 (a step's new images of all requests in one call), a prefix hit over an image
 reuses its blocks and encodes nothing, the same ids with another image miss,
@@ -12,6 +12,7 @@ image positions route with ``bias_vl`` and add no Engram value.
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 import torch
@@ -27,14 +28,15 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer_interfaces import Kernels
 from tests.helpers.tiny_v41 import write_tiny_v41
 
-#: the id every span position holds (the checkpoints here have no tokenizer entry for it: any id does)
+#: the id the span positions hold here: a text id, since the spans are set on the requests directly (the front
+#: doors, which expand ``image_token_id`` placeholders, and the n-gram cut at that id are checked in test_vision_oracle)
 PLACEHOLDER_ID = 7
-GRID = ImageGrid(3, 3, 3, 3)  # 14 span positions
+GRID = ImageGrid(9, 9, 3, 3)  # 81 patches of 14 x 14, 3 x 3 tokens: 14 span positions
 TEXT = [(37 * i + 11) % 4000 + 20 for i in range(90)]
 
 
 def image(offset: int, seed: int) -> ImageSpan:
-    patches = torch.randn(GRID.patches, 12, generator=torch.Generator().manual_seed(seed))
+    patches = torch.randn(GRID.patches, 3 * 14 * 14, generator=torch.Generator().manual_seed(seed))
     return ImageSpan(offset, GRID, patches, hashlib.sha256(patches.numpy().tobytes() + bytes([seed])).digest())
 
 
@@ -45,30 +47,21 @@ def prompt_with(spans: list[ImageSpan], length: int = 84) -> list[int]:
     return ids
 
 
-class RecordingTower:
-    """``encode_images`` as a fixed function of the patches and the span position; ``calls`` holds each call's size."""
-
-    def __init__(self, hidden: int) -> None:
-        g = torch.Generator().manual_seed(123)
-        self.proj = torch.randn(12, hidden, generator=g) * 0.5
-        self.position = torch.randn(64, hidden, generator=g) * 0.5
-        self.calls: list[int] = []
-
-    def __call__(self, spans: list[ImageSpan]) -> list[torch.Tensor]:
-        self.calls.append(len(spans))
-        return [torch.tanh(s.patches.mean(0) @ self.proj + self.position[: s.length]) for s in spans]
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_tiny_v41(tmp_path_factory.mktemp("v41img") / "tiny")
+    ckpt = write_tiny_v41(tmp_path_factory.mktemp("v41img") / "tiny", vision=True)
+    assert json.loads((ckpt / "config.json").read_text())["image_token_id"] != PLACEHOLDER_ID
+    return ckpt
 
 
-def engine_for(ckpt, **cfg) -> tuple[Engine, RecordingTower]:
-    engine = Engine(EngineConfig(model=str(ckpt), backend="cpu", **cfg))
-    tower = RecordingTower(engine.runner.config.hidden_size)
-    engine.runner.model.encode_images = tower
-    return engine, tower
+def engine_for(ckpt, **cfg) -> Engine:
+    return Engine(EngineConfig(model=str(ckpt), backend="cpu", **cfg))
+
+
+def encoded(engine: Engine) -> tuple[int, int]:
+    """Images the engine's tower encoded, and in how many calls."""
+    m = engine.get_metrics()
+    return m["images_encoded"], m["image_encoder_calls"]
 
 
 def run(engine: Engine, requests: list[tuple[list[int], list[ImageSpan]]], params: SamplingParams) -> list:
@@ -96,29 +89,27 @@ def test_a_span_split_across_chunks_equals_one_chunk(ckpt):
     spans = [image(10, 1), image(40, 2)]
     ids = prompt_with(spans)
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, prompt_logprobs=1)
-    whole, tower = engine_for(ckpt, max_prefill_chunk=128, enable_prefix_caching=False)
+    whole = engine_for(ckpt, max_prefill_chunk=128, enable_prefix_caching=False)
     [a] = run(whole, [(ids, spans)], params)
-    chunked, chunked_tower = engine_for(ckpt, max_prefill_chunk=8, enable_prefix_caching=False)
+    chunked = engine_for(ckpt, max_prefill_chunk=8, enable_prefix_caching=False)
     [b] = run(chunked, [(ids, spans)], params)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     pa = [next(iter(r.values())).logprob for r in a.prompt_logprobs[1:]]
     pb = [next(iter(r.values())).logprob for r in b.prompt_logprobs[1:]]
     assert max(abs(x - y) for x, y in zip(pa, pb)) < 1e-4
-    assert tower.calls == [2] and sum(chunked_tower.calls) == 2  # each image encoded once, however it is chunked
+    assert encoded(whole) == (2, 1) and encoded(chunked)[0] == 2  # each image encoded once, however it is chunked
     # and the image counts: the same ids with the placeholder's own embedding answer otherwise
-    plain, _ = engine_for(ckpt, max_prefill_chunk=128, enable_prefix_caching=False)
+    plain = engine_for(ckpt, max_prefill_chunk=128, enable_prefix_caching=False)
     [c] = run(plain, [(ids, [])], params)
     assert max(abs(x - y) for x, y in zip(lp_of(a), lp_of(c))) > 1e-3 or a.outputs[0].token_ids != c.outputs[0].token_ids
 
 
 def test_images_of_two_requests_in_one_step_are_encoded_in_one_call(ckpt):
-    engine, tower = engine_for(ckpt, enable_prefix_caching=False)
+    engine = engine_for(ckpt, enable_prefix_caching=False)
     spans_a, spans_b = [image(5, 3)], [image(20, 4), image(50, 5)]
     outs = run(engine, [(prompt_with(spans_a), spans_a), (prompt_with(spans_b), spans_b)], GREEDY)
-    assert tower.calls == [3]
-    m = engine.get_metrics()
-    assert m["images_encoded"] == 3 and m["image_encoder_calls"] == 1
-    alone, _ = engine_for(ckpt, enable_prefix_caching=False)
+    assert encoded(engine) == (3, 1)
+    alone = engine_for(ckpt, enable_prefix_caching=False)
     [b] = run(alone, [(prompt_with(spans_b), spans_b)], GREEDY)
     assert outs[1].outputs[0].token_ids == b.outputs[0].token_ids
     assert max(abs(x - y) for x, y in zip(lp_of(outs[1]), lp_of(b))) < 1e-4
@@ -128,13 +119,13 @@ def test_a_prefix_hit_over_an_image_reuses_it_and_another_image_misses(ckpt):
     spans = [image(10, 6)]
     ids = prompt_with(spans)
     follow = ids + [31, 32, 33, 34, 35]
-    engine, tower = engine_for(ckpt, swa_replay="exact")
+    engine = engine_for(ckpt, swa_replay="exact")
     run(engine, [(ids, spans)], GREEDY)
     before = engine.get_metrics()["cached_tokens"]
     [hit] = run(engine, [(follow, spans)], GREEDY)
     assert engine.get_metrics()["cached_tokens"] - before >= 64
-    assert tower.calls == [1]  # the image's blocks are reused; nothing is encoded again
-    cold, _ = engine_for(ckpt, enable_prefix_caching=False)
+    assert encoded(engine) == (1, 1)  # the image's blocks are reused; nothing is encoded again
+    cold = engine_for(ckpt, enable_prefix_caching=False)
     [ref] = run(cold, [(follow, spans)], GREEDY)
     assert hit.outputs[0].token_ids == ref.outputs[0].token_ids
     assert max(abs(x - y) for x, y in zip(lp_of(hit), lp_of(ref))) < 1e-4
@@ -142,7 +133,7 @@ def test_a_prefix_hit_over_an_image_reuses_it_and_another_image_misses(ckpt):
     other = [image(10, 7)]
     before = engine.get_metrics()["cached_tokens"]
     [miss] = run(engine, [(follow, other)], GREEDY)
-    assert engine.get_metrics()["cached_tokens"] == before and tower.calls == [1, 1]
+    assert engine.get_metrics()["cached_tokens"] == before and encoded(engine) == (2, 2)
     [ref_other] = run(cold, [(follow, other)], GREEDY)
     assert miss.outputs[0].token_ids == ref_other.outputs[0].token_ids
 
@@ -150,15 +141,15 @@ def test_a_prefix_hit_over_an_image_reuses_it_and_another_image_misses(ckpt):
 def test_preemption_and_parallel_sampling_with_images(ckpt):
     reqs = [(prompt_with(s, 60 + 4 * i), s) for i, s in enumerate([[image(4, 10 + i)] for i in range(4)])]
     engine = dict(enable_prefix_caching=False, max_num_seqs=4, max_model_len=96, max_prefill_chunk=16)
-    roomy, _ = engine_for(ckpt, **engine)
+    roomy = engine_for(ckpt, **engine)
     want = [o.outputs[0].token_ids for o in run(roomy, reqs, GREEDY)]
-    tight, tower = engine_for(ckpt, **engine, kv_cache_memory=_budget(ckpt, slots=4, blocks=9))
+    tight = engine_for(ckpt, **engine, kv_cache_memory=_budget(ckpt, slots=4, blocks=9))
     got = [o.outputs[0].token_ids for o in run(tight, reqs, GREEDY)]
     assert got == want and tight.get_metrics()["preemptions"] > 0
-    forked, tower = engine_for(ckpt, **engine)
+    forked = engine_for(ckpt, **engine)
     outs = run(forked, reqs[:2], SamplingParams(temperature=0.0, max_tokens=5, n=2))
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[want[0]] * 2, [want[1]] * 2]
-    assert sum(tower.calls) == 2  # the second completion copies the first one's state: no image again
+    assert encoded(forked)[0] == 2  # the second completion copies the first one's state: no image again
 
 
 def _budget(ckpt, slots: int, blocks: int) -> int:
@@ -203,7 +194,7 @@ def test_image_positions_route_with_bias_vl_and_only_they(ckpt):
 
 def test_engram_adds_nothing_at_image_positions(tmp_path, ckpt):
     full = load_model(ckpt, Kernels(), dtype=torch.float32)
-    silent = load_model(write_tiny_v41(tmp_path / "silent", engram_value_zero=True), Kernels(), dtype=torch.float32)
+    silent = load_model(write_tiny_v41(tmp_path / "silent", engram_value_zero=True, vision=True), Kernels(), dtype=torch.float32)
     ids = TEXT[:24]
     rows = list(range(24))
     embeds = torch.tanh(torch.randn(24, full.config.hidden_size, generator=torch.Generator().manual_seed(9)))
