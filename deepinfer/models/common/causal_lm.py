@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from deepinfer_interfaces import Kernels
+from deepinfer_interfaces import Device, Kernels
 
 from ...errors import ConfigError
 from .batch import Batch
@@ -113,6 +113,11 @@ class CausalLM(ParamTree):
     def inventory_part(self, name: str) -> str:
         """The part of the weights a parameter counts in (``backbone`` unless a family keeps it apart)."""
         return "backbone"
+
+    def place_tables(self, device: Device, placement: str) -> str | None:
+        """Put the tables a family keeps outside its parameters where ``placement`` asks (``EngineConfig.engram_tables``)
+        on ``device``; a line for the log, or None where the family has none."""
+        return None
 
     def graph_blocker(self) -> str | None:
         """Why a step of this model cannot be captured as a graph on its device (None: it can)."""
