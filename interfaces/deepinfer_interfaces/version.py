@@ -4,7 +4,7 @@ A plugin declares the version it was written against; the registry refuses a
 plugin whose major version differs from ours.
 """
 
-INTERFACE_VERSION = "1.5.0"
+INTERFACE_VERSION = "1.6.0"
 
 
 def major(version: str) -> int:
