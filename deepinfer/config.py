@@ -47,6 +47,11 @@ class EngineConfig(BaseModel):
         description="auto: the KV rounding and packing the checkpoint was trained with (the model dtype when it has none); "
         "fp8: packed FP8/FP4 records with block scales; model: plain rows in the model dtype",
     )
+    engram_tables: Literal["auto", "mapped", "host", "device"] = Field(
+        "auto", description="where DeepSeek V4.1's Engram tables live: mapped (the checkpoint's files; eager decoding on "
+        "an accelerator), host (host memory the device reads in place, inside decode graphs), device (copied onto it); "
+        "auto: mapped on the CPU, else host where the device can, else device where they fit, else mapped"
+    )
     block_size: int = Field(16, gt=0)
     enable_prefix_caching: bool = True
     swa_replay: Literal["bounded", "exact"] = "bounded"

@@ -152,6 +152,9 @@ class ModelRunner:
             model_dir, self.kernels, dtype=self.dtype, device=self.torch_device, quantization=cfg.quantization, sharding=sharding
         )
         log.info(f"weights: loaded onto {self.torch_device} in {time.perf_counter() - started:.1f} s ({cfg.quantization} quantization)")
+        placed = self.model.place_tables(self.device, cfg.engram_tables)
+        if placed is not None:
+            log.info(placed)
         if sharding is not None:
             sharding.moe_layers = [layer.ffn for layer in self.model.layers]
         self.config = self.model.config

@@ -2,8 +2,8 @@
 
 Modelled on ``torch.accelerator`` and kept small: identity, capabilities,
 availability, device selection, streams and events, synchronisation, memory and
-seeding, graph capture, and the name of the torch.distributed backend that
-connects devices.
+seeding, host memory the device reads in place, graph capture, and the name of
+the torch.distributed backend that connects devices.
 """
 
 from __future__ import annotations
@@ -105,6 +105,15 @@ class Device(ABC):
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor that copies to this device without staging (pinned where the device is not the host)."""
         return torch.empty(numel, dtype=dtype, pin_memory=self.type != "cpu")
+
+    def map_host(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A tensor on this device whose data is host memory holding ``tensor``'s values, which the device's
+        kernels read in place, inside captured graphs too (pinned or registered memory under unified
+        addressing); None where the device cannot read host memory.
+
+        Made once, at load: the host copy may be taken now (pinned memory), so later writes to ``tensor``
+        need not show. Meant for large, read-mostly tables a step reads a few rows of (the Engram tables)."""
+        return None
 
     def new_graph_pool(self) -> Any:
         """A memory pool handle that captures can share (graphs replayed one at a time reuse its memory)."""

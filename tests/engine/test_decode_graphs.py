@@ -117,6 +117,26 @@ def test_graph_replay_equals_eager_with_prefix_hits_preemption_and_grammar(model
     assert all(c.isalpha() for c in graph["text"][3]) and 3 <= len(graph["text"][3]) <= 9
 
 
+def test_a_stale_v41_replay_is_caught_against_eager(v41, plugins):
+    """The comparison above catches a device whose V4.1 replay is wrong: ``stale`` replays its capture run's
+    outputs (every padding row's), so the Engram rows and logits a step gathers never reach its tokens."""
+    out = _python("""
+        import json, sys
+        from deepinfer import LLM, SamplingParams
+        prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        runs = {}
+        for backend, eager in (("replay", True), ("stale", False)):
+            llm = LLM(model=sys.argv[1], backend=backend, enforce_eager=eager, max_model_len=64, max_num_seqs=2,
+                      graph_capture_sizes=[2], kv_cache_memory=8 << 20)
+            outs = llm.generate(prompts, sp)
+            runs[backend] = dict(tokens=[o.outputs[0].token_ids for o in outs], replays=llm.get_metrics()["graph_replays"])
+        print(json.dumps(runs))
+    """, plugins, str(v41))
+    assert out["replay"]["replays"] == 0 and out["stale"]["replays"] >= 5
+    assert out["stale"]["tokens"] != out["replay"]["tokens"]
+
+
 def test_conformance_checks_a_graph_implementation_against_eager(ckpt, plugins):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugins), env.get("PYTHONPATH")]))
@@ -191,8 +211,11 @@ def test_failed_capture_is_one_line_naming_the_fix(ckpt, plugins):
 
 
 @pytest.mark.slow
-def test_cpu_compiled_graph_matches_eager(ckpt, plugins):
-    """The CPU device's own graphs (inductor, whole forward, no graph break allowed) give eager's tokens."""
+@pytest.mark.parametrize("model", ["ckpt", "v41"])
+def test_cpu_compiled_graph_matches_eager(model, plugins, request):
+    """The CPU device's own graphs (inductor, whole forward, no graph break allowed) give eager's tokens; V4.1's
+    graph hashes its n-grams and gathers its Engram rows from the mapped tables inside."""
+    ckpt = request.getfixturevalue(model)
     out = _python("""
         import json, sys
         import torch

@@ -63,6 +63,10 @@ class CPUDevice(Device):
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
         return host_stream_context(stream)
 
+    def map_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor itself: host memory is this device's memory."""
+        return tensor
+
     def capture_graph(self, fn: Callable[[], T], pool: Any = None) -> Callable[[], T]:
         """``fn`` compiled whole (``fullgraph``: a graph break is an error) for the shapes it reads now.
 

@@ -8,6 +8,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from deepinfer_interfaces import Device, DeviceCapabilities, record_stream_graph
+from deepinfer_interfaces.memory_alias import alias_memory
 
 T = TypeVar("T")
 
@@ -71,6 +72,15 @@ class CUDADevice(Device):
 
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream)
+
+    def map_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A CUDA tensor over a pinned host copy of ``tensor`` (copied once; kept alive by the alias).
+
+        torch pins with ``cudaHostAlloc``; under unified addressing (every 64-bit CUDA platform) that memory is
+        mapped for every device at its host address, so kernels read it there, over PCIe or NVLink-C2C, with
+        no copy queued: a captured graph reads the rows it gathers straight from host memory."""
+        pinned = tensor.contiguous().pin_memory()
+        return alias_memory(pinned.data_ptr(), tuple(pinned.shape), pinned.dtype, "cuda", self.index, pinned)
 
     def new_graph_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()

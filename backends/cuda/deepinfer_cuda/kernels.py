@@ -9,7 +9,9 @@ outside ``launch.MODEL_DTYPES`` or with operands of mixed dtypes) run the
 reference, and so do quantized weights the kernels cannot read (see
 ``_readable``). ``topk_select`` stays the reference: it is one torch sort.
 ``engram_lookup`` runs its kernel only when the table lives on the ids'
-device; a memory-mapped host table is gathered on the host by the reference.
+device: in GPU memory, or pinned host memory the GPU reads in place
+(``CUDADevice.map_host``, inside captured graphs too); a memory-mapped host
+table is gathered on the host by the reference.
 
 Cache pools may be ``PackedPool``s (``deepinfer_interfaces``): ``cache_write``
 quantizes rows into records and scatters them in one kernel per region, and

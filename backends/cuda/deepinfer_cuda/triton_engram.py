@@ -11,8 +11,10 @@
   (``triton_dequant.e4m3_to_float``) and scaled by ``2^(byte − 127)`` per 32
   channels in fp32 (exact: a power of two, the byte 0 included, as the
   subnormal ``2^−127``), or a float row is converted; then rounded to the
-  output dtype once. Runs only when the table lives where the ids do (the
-  usual memory-mapped host table stays with the reference's host gather).
+  output dtype once. Runs only when the table lives where the ids do: GPU
+  memory, or pinned host memory aliased as a CUDA tensor (``map_host``),
+  whose rows the kernel loads over the bus; a memory-mapped host table stays
+  with the reference's host gather.
 - ``_inject_kernel``: one program per (token, stream) on a GPU (per token,
   all streams as one tile, under the interpreter). The gate needs three sums
   over all ``D`` channels (``Σ h²``, ``Σ q²``, ``Σ h · w · q``), so a first

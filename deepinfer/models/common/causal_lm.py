@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from deepinfer_interfaces import Kernels
+from deepinfer_interfaces import Device, Kernels
 
 from ...errors import ConfigError
 from .batch import Batch
@@ -117,6 +117,11 @@ class CausalLM(ParamTree):
     def image_blocker(self) -> str | None:
         """Why this model cannot read images (None: it encodes them with ``encode_images``)."""
         return f"the {self.config.model_type} model has no vision tower; send text only"
+
+    def place_tables(self, device: Device, placement: str) -> str | None:
+        """Put the tables a family keeps outside its parameters where ``placement`` asks (``EngineConfig.engram_tables``)
+        on ``device``; a line for the log, or None where the family has none."""
+        return None
 
     def graph_blocker(self) -> str | None:
         """Why a step of this model cannot be captured as a graph on its device (None: it can)."""

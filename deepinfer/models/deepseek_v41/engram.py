@@ -29,9 +29,11 @@ With ``table=None`` the module allocates the table as ordinary parameters
 (``embed.weight`` and, for FP8, ``embed.scale``) that the loader fills: for
 small models and tests, not for the release's ~100 GB tables.
 
-Where a table is memory-mapped on the host and the model runs on an
-accelerator, the lookup copies its hash ids to the host (a synchronisation),
-so the runner runs such a model eagerly (``DeepseekV41Model.graph_blocker``).
+Once loaded, the engine places the tables (``table_placement``): left mapped,
+in host memory the device reads in place, or on the device. Where a table
+stays mapped on the host and the model runs on an accelerator, the lookup
+copies its hash ids to the host (a synchronisation), so the runner runs such a
+model eagerly (``DeepseekV41Model.graph_blocker``).
 """
 
 from __future__ import annotations

@@ -2,15 +2,16 @@
 
 Parameters carry the names the V4 model uses for the same tensors (the
 release's names map to them through ``loader/names.py``); the Engram tables
-stay in the checkpoint's files, memory-mapped, and only the rows a step's
-n-grams hash to are read.
+are memory-mapped from the checkpoint's files, then placed where the engine
+asks (``place_tables``: the mappings, host memory the device reads in place, or
+device memory), and only the rows a step's n-grams hash to are read.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer_interfaces import Kernels
+from deepinfer_interfaces import Device, Kernels
 
 from .attention import SharedIndices
 from ..common.cache import ModelCache
@@ -21,6 +22,7 @@ from ..common.inputs import ForwardInputs
 from .layer import DecoderLayerV41
 from ..common.linear import PLAIN, QuantPlan, Storage
 from ..common.metadata import build_layer_metas
+from .table_placement import TablePlacement, place_tables
 from ..common.causal_lm import CausalLM
 from ..common.moe import ExpertSharding
 from ...multimodal import ImageSpan
@@ -70,6 +72,8 @@ class DeepseekV41Model(CausalLM):
         self.hasher: EngramHasher | None = None
         self.token_map: torch.Tensor | None = None
         self.pad_id = 0
+        #: where ``place_tables`` put the memory-mapped tables (None: not placed yet, or the tables are parameters)
+        self.table_placement: TablePlacement | None = None
 
     @classmethod
     def checkpoint_kwargs(cls, config: V41ModelConfig, checkpoint) -> dict:
@@ -118,12 +122,22 @@ class DeepseekV41Model(CausalLM):
         self.pad_id = int(lookup[v.engram_pad_token_id])
         self.hasher = EngramHasher(EngramLayout.from_config(v), self.device)
 
+    def place_tables(self, device: Device, placement: str) -> str | None:
+        """Move the memory-mapped Engram tables where ``placement`` asks (``table_placement.place_tables``)."""
+        if not self.mapped_tables or not self.engram_layers:
+            return None
+        tables, self.table_placement = place_tables([e.table for e in self.engram_layers], placement, device)
+        for engram, table in zip(self.engram_layers, tables):
+            engram.table = table
+        return self.table_placement.describe()
+
     def graph_blocker(self) -> str | None:
-        """Engram tables mapped in host memory while the model runs on another device: each lookup copies
-        its hash ids to the host, which a captured graph cannot do."""
+        """Engram tables on the host that the model's device does not read in place: each lookup copies its
+        hash ids to the host, which a captured graph cannot do."""
         for engram in self.engram_layers:
             if engram.table.codes.device != self.device:
-                return f"the Engram tables are memory-mapped on the host and the model runs on {self.device}"
+                why = f" ({self.table_placement.reason})" if self.table_placement is not None else ""
+                return f"the Engram tables are memory-mapped on the host{why} and the model runs on {self.device}"
         return None
 
     def not_loaded(self, name: str) -> bool:

@@ -42,16 +42,18 @@ class EngramOps:
         """
         t, n = tokens.shape
         heads = primes.shape[1]
-        out = torch.empty(t, (n - 1) * heads, dtype=torch.int64, device=tokens.device)
         if t == 0 or n < 2:
-            return out
+            return torch.empty(t, (n - 1) * heads, dtype=torch.int64, device=tokens.device)
         products = tokens.to(torch.int64) * multipliers.to(torch.int64)  # [T, N], wraps like the spec says
         primes = primes.to(torch.int64)
         rolling = products[:, 0]
+        columns = []
         for i in range(1, n):
             rolling = torch.bitwise_xor(rolling, products[:, i])
-            out[:, (i - 1) * heads : i * heads] = torch.remainder(rolling[:, None], primes[i - 1])
-        return out + offsets.to(torch.int64)
+            columns.append(torch.remainder(rolling[:, None], primes[i - 1]))
+        # one concatenation, not writes into slices of an empty buffer: inductor's CPU code for the latter
+        # divides in lanes outside the slice and raises ZeroDivisionError inside a compiled decode graph
+        return torch.cat(columns, dim=1) + offsets.to(torch.int64)
 
     @op
     def engram_lookup(
