@@ -15,7 +15,6 @@ from .sampling_params import SamplingParams
 from .step import PLACEHOLDER, SampleSpec
 
 if TYPE_CHECKING:
-    from .multimodal import ImageSpan
     from .detokenizer import IncrementalDetokenizer
     from .kv_transfer.sequence_state import SequenceState
     from .multimodal import ImageSpan
