@@ -46,16 +46,19 @@ def render(body: ChatCompletionRequest, state: ServerState) -> ChatPrompt:
     return prompt
 
 
-async def engine_prompt(prompt: ChatPrompt, state: ServerState) -> list[int] | dict[str, Any]:
+async def engine_prompt(prompt: ChatPrompt, state: ServerState) -> tuple[list[int] | dict[str, Any], int]:
     """What the engine takes for ``prompt``: its images decoded off the event loop (a bad one is a 400 naming
-    ``messages``); a model that reads no images gets them as they came, and refuses them."""
-    if prompt.images and state.image_placeholder is not None:
+    ``messages``), and the prompt's length once each placeholder is its image's span; a model that reads no
+    images gets them as they came, and refuses them."""
+    length = len(prompt.token_ids)
+    if prompt.images and state.image_reader is not None:
         try:
             images = await asyncio.to_thread(load_images, prompt.images, state.image_limits)
+            length += sum(state.image_reader.span_length(image) - 1 for image in images)
         except ImageInputError as exc:
             raise InvalidRequestError(str(exc), "messages") from None
         prompt = dataclasses.replace(prompt, images=tuple(images))
-    return prompt.engine_prompt()
+    return prompt.engine_prompt(), length
 
 
 def _chat_field(message: str, body: ChatCompletionRequest) -> str:
@@ -88,23 +91,23 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     tool_parser = _tool_parser(body, state)
     prompt = render(body, state)
     text, ids = prompt.text, prompt.token_ids
-    state.check_prompt(ids, "messages")
-    engine_input = await engine_prompt(prompt, state)
+    engine_input, n_prompt = await engine_prompt(prompt, state)
+    state.check_prompt(ids, "messages", n_prompt - len(ids))
     hold_kv, transfer = await state.transfer(body, 1)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     requested = 1 if hold_kv else requested  # a prefill server samples the first token; the decode server the rest
     top = (body.top_logprobs or 0) if body.logprobs else None
     named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    params = sampling_params(body, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len, named), logprobs=top)
+    params = sampling_params(body, max_tokens=served_max_tokens(requested, n_prompt, state.max_model_len, named), logprobs=top)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = state.engine.submit(rid, engine_input, params, len(ids), hold_kv=hold_kv, kv_transfer_params=transfer)
+    stream = state.engine.submit(rid, engine_input, params, n_prompt, hold_kv=hold_kv, kv_transfer_params=transfer)
     room = room_of(body)
     if hold_kv and room is not None and state.rooms is not None:
         post_when_done(state.rooms, room, stream)
     await admit(state.engine, [stream], state.metrics, constraint_field(body) or ("messages" if prompt.images else None))
     created = int(time.time())
     if body.stream:
-        return StreamingResponse(_stream(body, state, rid, model, created, text, ids, stream, tool_parser), media_type="text/event-stream")
+        return StreamingResponse(_stream(body, state, rid, model, created, text, n_prompt, stream, tool_parser), media_type="text/event-stream")
     out = (await final_outputs(state.engine, [stream], http, state.metrics))[0]
     choices = []
     for c in out.outputs:
@@ -116,7 +119,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
             "finish_reason": _finish_reason(c.finish_reason, parsed.tool_calls),
             "stop_reason": c.stop_reason,
         })
-    counts = usage(len(out.prompt_token_ids) if prompt.images else len(ids), sum(len(c.token_ids) for c in out.outputs))  # spans counted
+    counts = usage(n_prompt, sum(len(c.token_ids) for c in out.outputs))
     response = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": counts}
     if hold_kv:
         response["kv_transfer_params"] = out.extra.get("kv_transfer_params")
@@ -164,7 +167,7 @@ def _delta_fields(d: ChatDelta, include_reasoning: bool) -> dict[str, Any]:
 
 
 async def _stream(body: ChatCompletionRequest, state: ServerState, rid: str, model: str, created: int, prompt_text: str,
-                  prompt_ids: list[int], stream: RequestStream, tool_parser: str | None) -> AsyncIterator[bytes]:
+                  num_prompt_tokens: int, stream: RequestStream, tool_parser: str | None) -> AsyncIterator[bytes]:
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -208,7 +211,7 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, rid: str, mod
             if choices:
                 yield sse({**head, "choices": choices})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(len(prompt_ids), completion_tokens)})
+            yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, completion_tokens)})
         yield DONE
     finally:
         release(state.engine, [stream], state.metrics)

@@ -31,6 +31,7 @@ from ..engine import resolve_model_dir
 from ..errors import ChatFormatError, ConfigError
 from ..image_input import ImageLimits
 from ..loader import load_tokenizer, read_config
+from ..models.registry import image_reader
 from ..prompts import image_placeholder
 from ..ranks.engines import make_engine
 from ..ranks.launch import torchrun_rank
@@ -171,12 +172,15 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         "disaggregation_mode": options.disaggregation_mode,
         "kv_connector": options.kv_connector if options.disaggregation_mode != "both" else None,
     }
+    raw = read_config(model_dir)
+    placeholder = image_placeholder(raw, tokenizer)
     state = ServerState(
         engine=engine, tokenizer=tokenizer, model_names=names, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         metrics=ServerMetrics(names[0]), chat_format=fmt, chat_format_error=fmt_error, reasoning_parser=options.reasoning_parser,
         tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=facts, disaggregation_mode=options.disaggregation_mode,
         recompute_failed_transfers=options.kv_load_failure_policy == "recompute",
-        image_placeholder=image_placeholder(read_config(model_dir), tokenizer), image_limits=ImageLimits.from_config(config),
+        image_placeholder=placeholder, image_limits=ImageLimits.from_config(config),
+        image_reader=image_reader(raw) if placeholder is not None else None,
     )
     sockets = [sock]
     if options.disaggregation_mode == "prefill":  # SGLang's router sends decode servers here to find each room's state

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from ..chat import ChatFormat
 from ..engine import check_prompt_ids
 from ..image_input import ImageLimits
+from ..models.common.images import ImageReader
 from ..sampling_params import InvalidRequestError
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
@@ -55,6 +56,8 @@ class ServerState:
     image_placeholder: str | None = None
     #: what a request's images may be (the engine's image fields)
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    #: how long each decoded image's span is in a prompt (None: the model reads no images)
+    image_reader: ImageReader | None = None
 
     async def transfer(self, body: SamplingFields, n_prompts: int) -> tuple[bool, dict[str, Any] | None]:
         """This server's part of a disaggregated request: (hold and publish its state: a prefill server,
@@ -85,6 +88,13 @@ class ServerState:
             f"the model '{requested}' does not exist on this server; it serves {', '.join(map(repr, self.model_names))}", "model"
         )
 
-    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
-        """Refuse what the engine would (before the request reaches it), naming the field."""
+    def check_prompt(self, token_ids: list[int], param: str = "prompt", image_tokens: int = 0) -> None:
+        """Refuse what the engine would (before the request reaches it), naming the field; ``image_tokens``:
+        the positions the prompt's images add when their placeholders expand into spans."""
         check_prompt_ids(token_ids, self.vocab_size, self.max_model_len, param)
+        total = len(token_ids) + image_tokens
+        if image_tokens and total >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {total} tokens with its images' spans but max_model_len is {self.max_model_len}; "
+                "send fewer or smaller images, shorten the prompt, or raise max_model_len", param,
+            )

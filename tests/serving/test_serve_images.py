@@ -3,6 +3,8 @@ spans; a bad image is a 400 OpenAI error for that request only; the model card s
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -70,3 +72,19 @@ def test_bad_images_are_400s_and_the_server_goes_on(server):
 def test_the_model_card_says_it_reads_images(server):
     info = httpx.get(server.url + "/model_info", timeout=30).json()
     assert info["has_image_understanding"] is True and info["model_type"] == "deepseek_v41"
+
+
+def test_spans_count_in_streamed_usage_and_the_context_check(server):
+    content = [{"type": "text", "text": "what is this? "}, {"type": "image_url", "image_url": {"url": data_uri(gradient_image(16, 16))}}]
+    text_only = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": content}]}, timeout=60).json()
+    payload = {"messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0.0, "stream": True,
+               "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=payload, timeout=120) as got:
+        events = [json.loads(line[6:]) for line in got.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["prompt_tokens"] == text_only["count"] - 1 + 8
+    # nine images of 32 span tokens each: short text, but past the 256-token context once expanded
+    big = [{"type": "image_url", "image_url": {"url": data_uri(gradient_image(64, 64, seed=i))}} for i in range(9)]
+    got = _chat(server, big)
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert "with its images' spans but max_model_len is 256" in error["message"] and error["param"] == "messages"

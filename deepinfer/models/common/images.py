@@ -24,6 +24,10 @@ class ImageReader(Protocol):
         """The prompt with each placeholder expanded to its image's span, and the spans in prompt order."""
         ...
 
+    def span_length(self, image: Any) -> int:
+        """The span a decoded image takes in the prompt (its grid planned, no pixel touched)."""
+        ...
+
 
 def expand_placeholders(
     token_ids: Sequence[int], images: Sequence[Any], placeholder_id: int, span_of: Callable[[Any, int], ImageSpan],

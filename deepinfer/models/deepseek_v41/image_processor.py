@@ -117,6 +117,9 @@ class V41ImageReader:
         patches = pixel_patches(image, grid, self.vision)
         return ImageSpan(offset, grid, patches, image_digest(grid, patches))
 
+    def span_length(self, image: Any) -> int:
+        return plan_grid(image.width, image.height, self.vision).tokens
+
     def expand(self, token_ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], tuple[ImageSpan, ...]]:
         """The prompt with each placeholder expanded to its image's span (every position ``placeholder_id``), and the spans."""
         return expand_placeholders(token_ids, images, self.placeholder_id, self.span)
