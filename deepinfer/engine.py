@@ -49,7 +49,6 @@ from .structured_output import StructuredOutputManager
 log = logging.getLogger("deepinfer")
 
 BUNDLED_MODEL = Path(__file__).parent / "bundled" / "tiny-v4"
-#: why a request with images fails on a model whose family reads them but that built no vision tower
 
 
 def resolve_model_dir(model: str | None) -> Path:
