@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .base import acc_dtype, op
-from .tiles import TILE_ELEMENTS
 
 
 class VitOps:
@@ -32,10 +32,10 @@ class VitOps:
         token. Computed in fp32 (fp64 for fp64 inputs); returned ``[T, H, D]`` in
         ``q.dtype``.
 
-        Walks each segment in tiles of queries, so its largest intermediate (the
-        scores of a tile against its segment) stays near ``TILE_ELEMENTS`` whatever
-        the image size. The segment lengths are read on the host (a backend's kernel
-        reads them where they live).
+        Each segment runs through ``scaled_dot_product_attention`` in the
+        accumulation dtype (its CPU and GPU kernels walk the keys in blocks, so no
+        score matrix of a whole image is held). The segment lengths are read on the
+        host (a backend's kernel reads them where they live).
         """
         t, h, d = q.shape
         out = torch.empty(t, h, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -46,12 +46,6 @@ class VitOps:
         for start, end in zip(bounds[:-1], bounds[1:]):
             if end <= start:
                 continue
-            keys = k[start:end].to(acc).transpose(0, 1)  # [H, L, D]
-            values = v[start:end].to(acc).transpose(0, 1)
-            tile = max(1, TILE_ELEMENTS // (h * (end - start)))
-            for q0 in range(start, end, tile):
-                q1 = min(end, q0 + tile)
-                scores = torch.matmul(q[q0:q1].to(acc).transpose(0, 1), keys.transpose(1, 2)).mul_(scale)  # [H, tq, L]
-                probs = torch.softmax(scores, dim=-1)
-                out[q0:q1] = torch.matmul(probs, values).transpose(0, 1).to(q.dtype)
+            qs, ks, vs = (x[start:end].to(acc).transpose(0, 1) for x in (q, k, v))  # [H, L, D]
+            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1).to(q.dtype)
         return out
