@@ -6,7 +6,7 @@ Builds a V4.1 model whose vision tower has the released ``vision_config``
 with random weights, a tiny text backbone beside it (the encode never touches
 it), and times ``model.encode_images`` of one image at a time for 224², 448²,
 896² and 1920×1080 sources, each preprocessed as released (the grid, the
-gray-padded fit, the normalised patches; ``tests/helpers/v41_image_oracle.py``)
+gray-padded fit, the normalised patches: the engine's ``V41ImageReader``)
 and timed apart from the encode. Per size: the source, the ViT patch grid, the
 span's tokens, preprocessing ms, encode ms (median of ``--reps`` after a
 warm-up) and patches per second.
@@ -30,7 +30,6 @@ with its labelled extrapolation is the quick run.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import sys
 import time
@@ -45,12 +44,11 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from benchmarks.common import add_json_flag, emit_json  # noqa: E402
-from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config, V41VisionConfig  # noqa: E402
+from deepinfer.models.deepseek_v41.image_processor import V41ImageReader, image_reader  # noqa: E402
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model  # noqa: E402
-from deepinfer.multimodal import ImageGrid, ImageSpan  # noqa: E402
 from deepinfer_interfaces import Kernels  # noqa: E402
 from tests.helpers.tiny_v41 import TEXT  # noqa: E402
-from tests.helpers.v41_image_oracle import VisionSpec, preprocess  # noqa: E402
 
 SIZES = ((224, 224), (448, 448), (896, 896), (1920, 1080))
 RELEASED_LAYERS = 32
@@ -71,9 +69,9 @@ class Row:
     est_32_layers_ms: float | None = None
 
 
-def build(layers: int, text_hidden: int, dtype: torch.dtype) -> DeepseekV41Model:
+def build(layers: int, text_hidden: int, dtype: torch.dtype) -> tuple[DeepseekV41Model, V41ImageReader]:
     """A V4.1 model with the released vision tower of ``layers`` blocks and a tiny text backbone, random weights."""
-    vision = dict(asdict(VisionSpec()), num_hidden_layers=layers)
+    vision = dict(V41VisionConfig().model_dump(), num_hidden_layers=layers)
     raw = {
         "model_type": "deepseek_v41",
         "text_config": dict(TEXT, hidden_size=text_hidden, engram_layer_ids=[], num_hidden_layers=2, compress_ratios=[0, 0],
@@ -91,18 +89,12 @@ def build(layers: int, text_hidden: int, dtype: torch.dtype) -> DeepseekV41Model
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
-    return model
+    return model, image_reader(raw)
 
 
 def image(width: int, height: int) -> Image.Image:
     rng = np.random.default_rng(width * 10007 + height)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def span(patches: np.ndarray, grid) -> ImageSpan:
-    tensor = torch.from_numpy(patches)
-    return ImageSpan(0, ImageGrid(grid.vit_h, grid.vit_w, grid.llm_h, grid.llm_w), tensor,
-                     hashlib.sha256(patches.tobytes()).digest())
 
 
 def median_ms(fn, reps: int) -> float:
@@ -115,14 +107,14 @@ def median_ms(fn, reps: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def measure(model: DeepseekV41Model, sizes, reps: int) -> list[Row]:
+def measure(built: tuple[DeepseekV41Model, V41ImageReader], sizes, reps: int) -> list[Row]:
     rows = []
-    spec = VisionSpec()
+    model, reader = built
     for w, h in sizes:
         source = image(w, h)
-        prep = median_ms(lambda: preprocess(source, spec), reps)
-        patches, grid = preprocess(source, spec)
-        one = span(patches, grid)
+        prep = median_ms(lambda: reader.span(source, 0), reps)
+        one = reader.span(source, 0)
+        grid = one.grid
         enc = median_ms(lambda: model.encode_images([one]), reps)
         rows.append(Row(w, h, grid.vit_h, grid.vit_w, grid.tokens, prep, enc, grid.patches / (enc / 1000)))
     return rows
