@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from deepinfer.llm import LLM
+from deepinfer.models.registry import load_model
+from deepinfer.multimodal import ImageGrid, ImageSpan
+from deepinfer_interfaces import Kernels
 from tests.helpers.oracle_tensors import CheckpointTensors
 from tests.helpers.tiny_v41 import write_tiny_v41
 from tests.helpers.trained_kv import MEAN_ATOL, Completion, agreement, greedy
@@ -231,26 +234,8 @@ def test_the_image_rules_move_the_oracles_logits(ckpt, spec):
 # ----------------------------------------------------------------------------- the engine against the oracle
 
 
-def _vision_tower():
-    return pytest.importorskip("deepinfer.models.deepseek_v41.vision", reason="the vision tower (branch vision) is not merged")
-
-
-def _engine_reads_images():
-    _vision_tower()
-    pytest.importorskip("deepinfer.models.deepseek_v41.image_processor", reason="image prompts (branch images) are not merged")
-    from deepinfer.request import Request
-
-    if "images" not in getattr(Request, "__dataclass_fields__", {}) and not hasattr(Request, "images"):
-        pytest.skip("Request.images (branch images) is not merged")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_towers_span_rows_equal_the_oracles(ckpt, spec, dtype):
-    _vision_tower()
-    from deepinfer.multimodal import ImageGrid, ImageSpan
-    from deepinfer.models.registry import load_model
-    from deepinfer_interfaces import Kernels
-
     vision, _ = spec
     model = load_model(ckpt, Kernels(), dtype=dtype)
     tensors = CheckpointTensors(ckpt)
@@ -288,7 +273,6 @@ def _check(ckpt, spec, done: Completion, ids: list[int], images: list[Image.Imag
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_images_of_several_sizes_match_the_oracle(ckpt, spec, dtype):
-    _engine_reads_images()
     _, token = spec
     llm = LLM(model=str(ckpt), **dict(ENGINE, dtype=dtype))
     for i, size in enumerate(SIZES):
@@ -298,7 +282,6 @@ def test_images_of_several_sizes_match_the_oracle(ckpt, spec, dtype):
 
 
 def test_two_images_in_one_prompt_match_the_oracle(ckpt, spec):
-    _engine_reads_images()
     _, token = spec
     llm = LLM(model=str(ckpt), **ENGINE)
     ids = _text(6, 30) + [token] + _text(5, 31) + [token] + _text(4, 32)
@@ -313,7 +296,6 @@ def test_images_after_and_under_a_prefix_hit_match_the_oracle(ckpt, spec):
     """A text prefix of five blocks (longer than the exact replay, 8 layers x the window of 8), then an image: a
     later prompt with the same image hits past it and reuses it; one with another image hits the text only and
     computes its own."""
-    _engine_reads_images()
     _, token = spec
     llm = LLM(model=str(ckpt), **ENGINE)
     prefix = _text(80, 40)
@@ -330,7 +312,6 @@ def test_images_after_and_under_a_prefix_hit_match_the_oracle(ckpt, spec):
 
 
 def test_a_span_cut_by_chunked_prefill_matches_the_oracle(ckpt, spec):
-    _engine_reads_images()
     _, token = spec
     llm = LLM(model=str(ckpt), **dict(ENGINE, max_num_batched_tokens=16, max_prefill_chunk=16))
     ids, images = _text(5, 50) + [token] + _text(12, 51), [_image(400, 250, 9)]  # a span over three chunks
