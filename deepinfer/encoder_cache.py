@@ -86,8 +86,3 @@ class EncoderCache:
         while self._retired_rows > self.retain_rows and self.retired:
             _, old = self.retired.popitem(last=False)
             self._retired_rows -= old.shape[0]
-
-    def sweep(self) -> None:
-        """Retire live rows nobody holds (images a step encoded for a chunk that already passed them)."""
-        for digest in [d for d in self.live if d not in self.holders]:
-            self._retire(digest)

@@ -612,8 +612,6 @@ class ModelRunner:
         spans = [span for s in compute for span in s.images]
         if not spans:
             return None
-        if (why := self.model.image_blocker()) is not None:
-            raise ConfigError(why)
         t0 = time.perf_counter()
         encoded = self.images.ensure(spans, self.model.encode_images)
         if encoded:
