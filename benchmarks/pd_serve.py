@@ -21,8 +21,14 @@ token, KB per transfer and transfer time per MB (the read plus the size and chec
 state, on a thread of the decode server's engine process, as the server times it). On a small CPU the servers and
 this load generator share cores: the ratios, not the absolute figures, are what carries over.
 
+``--hosts`` runs the same across hosts (network namespaces on one bridge, ``tests/helpers/hosts.py``; root only):
+every prefill server on host 0, every decode server on host 1, the colocated replicas on hosts 2 and 3, each
+listening on its host's address, this process a client on the bridge. The KV state then crosses a real network
+interface (Mooncake over TCP between the hosts; the ``store`` directory is one path every host sees, as a shared
+mount would be). The hosts are removed at the end, on failure too.
+
     .venv/bin/python benchmarks/pd_serve.py [--concurrency 1,8] [--requests N] [--repeat 2] [--max-output 32]
-        [--prompt-tokens 128,768] [--connectors mooncake,store] [--speculative auto|dspark|none] [--json]
+        [--prompt-tokens 128,768] [--connectors mooncake,store] [--speculative auto|dspark|none] [--hosts] [--json]
 """
 
 from __future__ import annotations
@@ -259,6 +265,24 @@ def counters(url: str) -> dict[str, float]:
     return out
 
 
+class HostedServer:
+    """``deepinfer serve`` on a test host (``--hosts``), with ``serve_load.ServerProcess``'s face: ``base``,
+    ``wait_ready``, ``stop``."""
+
+    def __init__(self, host, port: int, engine_args: list[str], threads: int, log_dir: Path) -> None:
+        from tests.helpers.multi_host_servers import HostServer
+
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        self.server = HostServer(host, ["--shutdown-timeout", "5", *engine_args], log_dir, env=env, port=port).launch()
+        self.base = self.server.url
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self.server.wait_ready(timeout_s)
+
+    def stop(self) -> None:
+        self.server.close()
+
+
 # ----- figures -----
 
 
@@ -363,6 +387,9 @@ def main() -> None:
     ap.add_argument("--speculative", default=None, choices=["auto", "dspark", "none"], help="every server's (default: the engine's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every server's /health")
+    ap.add_argument("--hosts", action="store_true",
+                    help="run the servers on network-namespace hosts (prefill, decode, two colocated), this process a client on "
+                         "their bridge (root only)")
     add_json_flag(ap)
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -377,8 +404,24 @@ def main() -> None:
     costs = serve_load._token_counts(tokenizer)
     scratch = Path(tempfile.mkdtemp(prefix="pd_serve_"))
     servers: list = []
+    hosts = None
+    if args.hosts:
+        from tests.helpers.hosts import Hosts, namespaces_unavailable
 
-    def start(name: str, extra: list[str]):
+        why = namespaces_unavailable()
+        if why is not None:
+            ap.error(f"--hosts: {why}")
+        hosts = Hosts(4).__enter__()  # prefill, decode, two colocated replicas; closed in ``finally``
+        placed = [h.address for h in hosts]
+        scratch.chmod(0o755)
+    #: --hosts: the next free port on each host
+    ports: dict[int, int] = {}
+
+    def start(name: str, extra: list[str], where: int):
+        if hosts is not None:
+            port = ports[where] = ports.get(where, 8000 - 1) + 1
+            servers.append(HostedServer(hosts[where], port, [*engine, *extra], args.threads, scratch))
+            return servers[-1]
         log = open(scratch / f"{name}.log", "wb")
         servers.append(serve_load.ServerProcess([*engine, *extra], args.threads, log))
         return servers[-1]
@@ -386,9 +429,10 @@ def main() -> None:
     try:
         setups: list[Setup] = []
         for c in connectors:
-            prefill, decode = start(f"{c}-prefill", role_args("prefill", c, scratch)), start(f"{c}-decode", role_args("decode", c, scratch))
+            prefill = start(f"{c}-prefill", role_args("prefill", c, scratch), 0)
+            decode = start(f"{c}-decode", role_args("decode", c, scratch), 1)
             setups.append(Setup(f"PD {c}", [prefill.base, decode.base], c))
-        replicas = [start(f"colocated{k}", []) for k in range(2)]
+        replicas = [start(f"colocated{k}", [], 2 + k) for k in range(2)]
         colocated = Setup("colocated x2", [s.base for s in replicas])
         setups.append(colocated)
         for server in servers:
@@ -405,7 +449,13 @@ def main() -> None:
     finally:
         for server in servers:
             server.stop()
-    print(f"prefill + decode server vs two colocated servers: {path.name}, backend {args.backend}, {args.threads} torch thread(s) "
+        if hosts is not None:
+            hosts.close()
+    where = ""
+    if hosts is not None:
+        where = (f"across hosts (network namespaces on one bridge): prefill on {placed[0]}, decode on {placed[1]}, colocated on "
+                 f"{placed[2]} and {placed[3]}, the client on the bridge ({hosts.client}); ")
+    print(f"{where}prefill + decode server vs two colocated servers: {path.name}, backend {args.backend}, {args.threads} torch thread(s) "
           f"per server, speculative {args.speculative or 'engine default'}; prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} "
           f"tokens, {args.max_output} out (ignore_eos, greedy), "
           f"PD as vLLM's router drives it, colocated round robin; best of {args.repeat} alternating rounds")
@@ -413,7 +463,7 @@ def main() -> None:
     transfers = [connector_row(s, c) for c in levels for s in setups if s.connector is not None]
     print_tables(rows, transfers)
     emit_json(args.json, dict(
-        model=path.name, backend=args.backend, threads=args.threads, speculative=args.speculative, repeat=args.repeat,
+        model=path.name, backend=args.backend, threads=args.threads, speculative=args.speculative, repeat=args.repeat, hosts=args.hosts,
         max_output=args.max_output,
         prompt_tokens=list(args.prompt_tokens), levels=[asdict(r) for r in rows], connectors=[asdict(c) for c in transfers],
     ))

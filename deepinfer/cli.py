@@ -173,13 +173,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.max_queued_requests < 1 or args.shutdown_timeout < 0 or args.max_request_bytes < 1:
         raise ConfigError("--max-queued-requests and --max-request-bytes must be at least 1, --shutdown-timeout at least 0")
     options = ServeOptions(
-        host=args.host, port=args.port, api_key=api_key_from_env(args.api_key), served_model_names=args.served_model_name,
+        host=args.host, port=args.port, advertise_host=args.advertise_host, api_key=api_key_from_env(args.api_key), served_model_names=args.served_model_name,
         chat_template=args.chat_template, max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser != "none",
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser, access_log=args.access_log,
         disaggregation_mode=args.disaggregation_mode, kv_connector=args.kv_connector,
         disaggregation_bootstrap_port=args.disaggregation_bootstrap_port, kv_transfer_timeout=args.kv_transfer_timeout,
-        kv_load_failure_policy=args.kv_load_failure_policy,
+        kv_load_failure_policy=args.kv_load_failure_policy, docs=not args.disable_docs,
     )
     return serve(config, options)
 
@@ -289,10 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF-layout DeepSeek-V4 directory (default: the bundled model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--advertise-host", default=None, metavar="ADDRESS",
+                   help="the address of this machine peers are told to reach it at (KV transfers, the bootstrap answer); "
+                        "default: --host when it is one address, else the interface that routes to them")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics (default: DEEPINFER_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", help="the model's names in the API (the first is reported; default: --model)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's chat format")
-    p.add_argument("--max-queued-requests", type=int, default=1024, help="requests waiting to be scheduled past which new ones get 503")
+    p.add_argument("--max-queued-requests", type=int, default=1024, help="completions (n per request) waiting to be scheduled past which new requests get 503")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests in flight before aborting them")
     p.add_argument("--max-request-bytes", type=int, default=32 << 20, help="largest request body accepted (413 past it)")
     p.add_argument("--reasoning-parser", default="deepseek_v4", choices=["deepseek_v4", "none"],
@@ -300,11 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="auto",
                    help="tool-call format parsed from replies when tools are declared: auto (the chat format's), deepseek_v4 (DSML), hermes (<tool_call> JSON), or none")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--disable-docs", action="store_true", help="do not serve the API's schema (/openapi.json) and its pages (/docs)")
     p.add_argument("--disaggregation-mode", default="both", choices=["both", "prefill", "decode"],
                    help="both (default): prefill and decode here; prefill: compute prompts and hand their KV over; decode: take it and generate")
     p.add_argument("--kv-connector", default="mooncake", help="how prefill and decode servers move KV state: mooncake (default) or store (through --kv-store DIR)")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998, help="prefill server: where decode servers meet it (SGLang's router)")
-    p.add_argument("--kv-transfer-timeout", type=float, default=60.0, help="prefill server: seconds a handed-over KV state waits for its decode server")
+    p.add_argument("--kv-transfer-timeout", type=float, default=60.0, help="prefill server: seconds a handed-over KV state waits for its decode server; decode server: seconds a fetch of one may take")
     p.add_argument("--kv-load-failure-policy", default="fail", choices=["fail", "recompute"],
                    help="decode server, when a KV transfer fails: fail the request (default) or compute its prompt here")
     add_engine_arguments(p)

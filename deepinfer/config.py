@@ -52,6 +52,8 @@ class EngineConfig(BaseModel):
         "an accelerator), host (host memory the device reads in place, inside decode graphs), device (copied onto it); "
         "auto: mapped on the CPU, else host where the device can, else device where they fit, else mapped"
     )
+    max_n: int | None = Field(None, gt=0, description="most completions one request may ask for (n, best_of); None: max_num_seqs")
+    max_logprobs: int = Field(20, ge=0, description="most top log-probabilities per position a request may ask for (logprobs, top_logprobs, prompt_logprobs)")
     block_size: int = Field(16, gt=0)
     enable_prefix_caching: bool = True
     swa_replay: Literal["bounded", "exact"] = "bounded"

@@ -19,6 +19,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from deepinfer_interfaces.errors import first_line
+
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .errors import ConfigError, DeepInferError
@@ -36,6 +38,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .prompts import PromptReader
 from .registry import SelectedBackend, select_backend
 from .request import Request, RequestStatus, token_array
+from .request_limits import RequestLimits
 from .sampler import to_logprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
@@ -120,6 +123,7 @@ class Engine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_step_tokens, self._replay_start, self.stats,
             self.drafts, history_tokens=max(0, self.runner.geometry.history_window - 1),
         )
+        self.limits = RequestLimits.from_config(config)
         #: user request id -> its first completion (which lists every completion in ``siblings``)
         self.requests: dict[str, Request] = {}
         #: every completion the device may still return tokens for, by its own id
@@ -221,6 +225,7 @@ class Engine:
             elif not isinstance(params, SamplingParams):
                 params = SamplingParams(**dict(params))
             req.params = params
+            self.limits.check_params(params)
             if self.store is not None:
                 try:
                     self.store.policy.class_for(params.cache_class)
@@ -246,29 +251,43 @@ class Engine:
                 child.siblings = children
                 if params.structured_outputs is not None:
                     self.structured.add(child.request_id, params.structured_outputs)
+                child.eos_token_id = next(iter(self.eos_token_ids), None)
+                child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                child.max_total_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
         except DeepInferError as exc:
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = "abort"
-            req.error = str(exc)
-            return req
+            return self._refuse(req, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a fault while admitting one request is that request's alone
+            log.exception("admitting request %s failed", request_id)
+            return self._refuse(req, f"internal error while admitting the request: {first_line(exc)}", internal=True)
         for child in children:
-            child.eos_token_id = next(iter(self.eos_token_ids), None)
-            child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            child.max_total_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
             self._live[child.request_id] = child
             self.drafts.start(child)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
         req.hold_kv = hold_kv
         if prefilled is not None:
-            for token in prefilled.output_token_ids:
-                if not req.finished:
-                    self._append(req, token)
+            try:
+                for token in prefilled.output_token_ids:
+                    if not req.finished:
+                        self._append(req, token)
+            except Exception as exc:  # noqa: BLE001 - as in ``_apply``: the request fails alone
+                log.exception("taking the prefilled tokens of request %s failed", request_id)
+                self._fail(req, f"internal error while processing the request's output: {first_line(exc)}", internal=True)
             if req.finished:
                 return req
             req.imported = prefilled.state
         for child in children:
             self.scheduler.add(child)
+        return req
+
+    def _refuse(self, req: Request, message: str, internal: bool = False) -> Request:
+        """``req`` finished on arrival with ``message`` (``internal``: the engine's fault, not the request's)."""
+        for child in req.siblings:
+            self.structured.release(child.request_id)
+        req.siblings = [req]
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "abort"
+        req.error, req.internal_error = message, internal
         return req
 
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
@@ -358,7 +377,9 @@ class Engine:
                 self.structured.fill(step, self._draft_tokens)  # nothing pending: the masks can be written now
             self._inflight.append((step, self.executor.submit(step)))
         else:
-            if not self._inflight and self.scheduler.waiting and not self.scheduler.running:
+            # nothing runs and the first waiting request still does not fit: it never will, unless states held for
+            # a decode server (a prefill engine's) free their slots and blocks, when they are read or expire
+            if not self._inflight and self.scheduler.waiting and not self.scheduler.running and not self.kv.held:
                 req = self.scheduler.waiting[0]
                 self._fail(req, f"the request needs {self.kv.blocks_for(req.num_tokens)} cache blocks but the cache has {self.kv.pool.num_blocks}; raise kv_cache_memory")
                 changed.append(req)
@@ -397,38 +418,53 @@ class Engine:
             self.executor.call(self.runner.apply_kv_store, ops).result()
 
     def _apply(self, step: Step, result: StepResult) -> list[Request]:
-        """Take a finished step's tokens into the requests: log-probabilities, stop conditions, cache commits."""
+        """Take a finished step's tokens into the requests: log-probabilities, stop conditions, cache commits.
+        A fault while taking one request's tokens (detokenizing, its grammar, its stop strings) fails that
+        request alone; the others go on."""
         changed: list[Request] = []
         for s in step.sequences:
             req = self._live.get(s.request_id)
             if req is None:
                 continue
-            scored = result.prompt_logprobs.get(s.request_id)
-            if scored is not None and not req.finished:
-                first, rows = scored
-                req.prompt_logprobs[first : first + len(rows)] = to_logprobs(rows, self._decode_one)
-            if s.sample is not None:
-                req.num_pending -= 1
-                new = result.tokens[s.request_id]
-                if s.draft_token_ids:
-                    self.scheduler.settle(req, rejected_drafts(s, new))
-                if not req.finished:  # else it stopped a step ago: this token was computed ahead and is dropped
-                    self.drafts.verified(req, s, new, result.verified.get(s.request_id, 0))
-                    for tok in new:
-                        if tok.logprobs is not None:
-                            req.logprobs.extend(to_logprobs([tok.logprobs], self._decode_one))
-                        self._append(req, tok.token_id)
-                        self.stats.generated_tokens += 1
-                        if req.finished:  # a stop inside the accepted drafts: what follows is dropped
-                            break
+            try:
+                if self._apply_one(s, req, result):
                     changed.append(req)
-                    if req.status is RequestStatus.RUNNING:
-                        self.drafts.drafted(req, result.drafts.get(s.request_id))
-                if req.finished and not req.num_pending and req.siblings[0].request_id not in self.requests:
-                    self._forget(req)
+            except Exception as exc:  # noqa: BLE001 - this request's fault, not the engine's
+                log.exception("processing the output of request %s failed", s.request_id)
+                if not req.finished:
+                    self._fail(req, f"internal error while processing the request's output: {first_line(exc)}", internal=True)
+                changed.append(req)
+            if s.sample is not None and req.finished and not req.num_pending and req.siblings[0].request_id not in self.requests:
+                self._forget(req)
             if not req.finished:
                 self.kv.commit(req)
         return changed
+
+    def _apply_one(self, s: ScheduledSequence, req: Request, result: StepResult) -> bool:
+        """One sequence's part of a finished step; whether it gained tokens or finished."""
+        scored = result.prompt_logprobs.get(s.request_id)
+        if scored is not None and not req.finished:
+            first, rows = scored
+            req.prompt_logprobs[first : first + len(rows)] = to_logprobs(rows, self._decode_one)
+        if s.sample is None:
+            return False
+        req.num_pending -= 1
+        new = result.tokens[s.request_id]
+        if s.draft_token_ids:
+            self.scheduler.settle(req, rejected_drafts(s, new))
+        if req.finished:  # it stopped a step ago: this token was computed ahead and is dropped
+            return False
+        self.drafts.verified(req, s, new, result.verified.get(s.request_id, 0))
+        for tok in new:
+            if tok.logprobs is not None:
+                req.logprobs.extend(to_logprobs([tok.logprobs], self._decode_one))
+            self._append(req, tok.token_id)
+            self.stats.generated_tokens += 1
+            if req.finished:  # a stop inside the accepted drafts: what follows is dropped
+                break
+        if req.status is RequestStatus.RUNNING:
+            self.drafts.drafted(req, result.drafts.get(s.request_id))
+        return True
 
     def stats_line(self) -> str:
         live = self.speculation.live_figures() if self.speculation is not None else None
@@ -470,9 +506,9 @@ class Engine:
             self.scheduler.finish(req, *reason)
             m.finished_time = now
 
-    def _fail(self, req: Request, message: str) -> None:
+    def _fail(self, req: Request, message: str, internal: bool = False) -> None:
         self.scheduler.finish(req, "abort")
-        req.error = message
+        req.error, req.internal_error = message, internal
         req.metrics.finished_time = time.monotonic()
 
     # ----- outputs -----
@@ -507,4 +543,5 @@ class Engine:
             metrics=first.metrics,
             error=errors[0] if errors else None,
             num_cached_tokens=first.num_cached_tokens,
+            internal_error=any(r.internal_error for r in req.siblings),
         )

@@ -7,6 +7,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from tokenizers import Tokenizer
 
 from .chat import ChatFormat, ChatPrompt, Conversation, chat_format_for, format_chat
+from .chat.messages import is_single_conversation
 from .config import load_config
 from .engine import resolve_model_dir
 from .engine_client import EngineClient
@@ -14,6 +15,7 @@ from .loader import read_config
 from .outputs import RequestOutput
 from .prompts import image_placeholder
 from .ranks.engines import make_engine
+from .request_limits import RequestLimits, check_at_most
 from .sampling_params import SamplingParams
 
 #: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}, either with
@@ -165,6 +167,11 @@ class LLM:
         chat tokens. The text is encoded without adding special tokens (the
         format writes the BOS); special-token text inside content is not escaped.
         """
+        limits = RequestLimits.from_config(self.config)
+        check_at_most("tools", len(tools or ()), limits.max_tools, what="tools")
+        for conversation in [messages] if is_single_conversation(messages) else messages:
+            if isinstance(conversation, Sequence) and not isinstance(conversation, (str, bytes)):
+                check_at_most("messages", len(conversation), limits.max_messages, what="messages")
         kwargs = dict(chat_template_kwargs or {})
         if thinking:
             kwargs["thinking"] = True

@@ -42,14 +42,16 @@ from .spec_decode.inflight import StepOutcomes, verified_counts
 from .stats import EngineStats
 from .step import SampledToken, ScheduledSequence, Step, StepResult
 from .models.registry import load_model
+from .profile_cache import ProfileCache, model_fingerprint
+from .version import package_version
 
 log = logging.getLogger("deepinfer")
 
 #: runs timed per point of the start-up cost profiles (the fastest counts)
 PROFILE_RUNS = 4
-#: start-up cost profiles measured in this process, by everything that shapes them: an engine built again on the
-#: same model, backend, dtype and slots (as tests and benchmarks do) reuses the first one's prior
-_PROFILES: dict[tuple, StepCostProfile] = {}
+#: start-up cost profiles by everything that shapes them, in this process and across processes: an engine built
+#: again on the same model, backend, dtype and slots (as servers, tests and benchmarks are) reuses the first one's prior
+_PROFILES = ProfileCache()
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -247,9 +249,10 @@ class ModelRunner:
         top = max(1, min(self.max_batched_tokens, self.plan.num_slots * (gamma + 1)))
         counts = sorted({*(1 << i for i in range(top.bit_length()) if 1 << i <= top), top})
         key = self._profile_key("step", counts)
-        if key in _PROFILES:
-            self._profile = _PROFILES[key]
-            return self._profile
+        cached = _PROFILES.get(key) if key is not None else None
+        if cached is not None:
+            self._profile = cached
+            return cached
         empty = Batch((), (), (), ())
         times: list[float] = []
         counters = dataclasses.replace(self.sharding.counters) if self.sharding is not None else None
@@ -273,7 +276,7 @@ class ModelRunner:
             self.sharding.counters = counters  # the profile's dispatches are not serving traffic
         self._profile = StepCostProfile.monotone(counts, times)
         if key is not None:
-            _PROFILES[key] = self._profile
+            _PROFILES.put(key, self._profile)
         log.info("step-cost profile: " + ", ".join(f"{t} tokens {1e3 * s:.2f} ms" for t, s in zip(counts, self._profile.seconds)))
         return self._profile
 
@@ -287,9 +290,10 @@ class ModelRunner:
         top = self.plan.num_slots
         counts = sorted({*(1 << i for i in range(top.bit_length()) if 1 << i <= top), top})
         key = self._profile_key("draft", counts)
-        if key in _PROFILES:
-            self._draft_profile = _PROFILES[key]
-            return self._draft_profile
+        cached = _PROFILES.get(key) if key is not None else None
+        if cached is not None:
+            self._draft_profile = cached
+            return cached
         times: list[float] = []
         for n in counts:
             ids = torch.zeros(n, dtype=torch.int64, device=self.torch_device)
@@ -304,7 +308,7 @@ class ModelRunner:
             times.append(max(best, 1e-9))
         self._draft_profile = StepCostProfile.monotone(counts, times)
         if key is not None:
-            _PROFILES[key] = self._draft_profile
+            _PROFILES.put(key, self._draft_profile)
         log.info("draft-cost profile: " + ", ".join(f"{n} requests {1e3 * s:.2f} ms" for n, s in zip(counts, self._draft_profile.seconds)))
         return self._draft_profile
 
@@ -314,8 +318,9 @@ class ModelRunner:
         if self.sharding is not None:
             return None
         s = self.selected
-        return (kind, tuple(counts), str(self.model_dir), s.name, s.kernels_name, s.interpret, str(self.dtype), str(self.torch_device),
-                self.plan.num_slots, self.max_model_len, self.quantization, torch.get_num_threads())
+        return (kind, tuple(counts), model_fingerprint(self.model_dir), s.name, s.kernels_name, s.interpret, str(self.dtype),
+                self.device.describe(), self.plan.num_slots, self.max_model_len, self.quantization, torch.get_num_threads(),
+                self.max_batched_tokens, package_version(), torch.__version__)
 
     def graph_shape(self, num_seqs: int, verify: bool) -> int | None:
         """The token count of the graph a decode (``verify``: verify) step of ``num_seqs`` sequences replays,
@@ -363,7 +368,6 @@ class ModelRunner:
             self.install_sequence(install.slot, install.block_ids, install.state)
         step = self._outcomes.resolve(step)
         for rid in step.finished_request_ids:
-            self.sampler.forget(rid)
             self.images.forget(rid)
             if self.proposer is not None:
                 self.proposer.forget(rid)
@@ -541,7 +545,7 @@ class ModelRunner:
         masks = self._masks(step, {(index, 0): i for i, index in enumerate(indices)})
         if masks is not None:
             bitmask = (masks[0].to(picked.device), masks[1])
-        return self.sampler.sample(picked, [s.sample for s in seqs], [s.request_id for s in seqs], bitmask)
+        return self.sampler.sample(picked, [s.sample for s in seqs], [s.start + len(s.token_ids) for s in seqs], bitmask)
 
     def _masks(self, step: Step, picked: dict[tuple[int, int], int]) -> tuple[torch.Tensor, list[int]] | None:
         """The grammar masks for ``picked`` ((sampled index, drafts before) -> row), once the host filled them."""

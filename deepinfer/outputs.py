@@ -63,4 +63,6 @@ class RequestOutput:
     error: str | None = None
     #: tokens of the prompt served from the prefix cache
     num_cached_tokens: int = 0
+    #: the error is the server's (a fault while serving it, a failed KV transfer), not the request's
+    internal_error: bool = False
     extra: dict = field(default_factory=dict)

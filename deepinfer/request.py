@@ -72,6 +72,8 @@ class Request:
     output_text: str = ""
     #: the one-line reason this request failed (None: it did not)
     error: str | None = None
+    #: the failure is the engine's (a fault while serving it), not the request's (invalid input)
+    internal_error: bool = False
     detokenizer: IncrementalDetokenizer | None = None
     #: the sibling whose prompt state this one copies instead of prefilling (None: it prefills itself)
     fork_source: Request | None = None
@@ -96,8 +98,9 @@ class Request:
 
     @property
     def seed(self) -> int | None:
-        """This completion's generator seed: the request's seed plus its index (None: unseeded)."""
-        return None if self.params.seed is None else self.params.seed + self.index
+        """This completion's generator seed: the request's seed plus its index, as an unsigned 64-bit
+        integer (None: unseeded)."""
+        return None if self.params.seed is None else (self.params.seed + self.index) % 2**64
 
     @property
     def num_tokens(self) -> int:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import DeepInferError
+
+#: the widest token id or top-k any device's int32 index tensors hold
+INT32_MAX = 2**31 - 1
+#: seeds are 64-bit: signed or unsigned, as clients send them
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class InvalidRequestError(DeepInferError, ValueError):
@@ -70,18 +75,18 @@ class SamplingParams(_Validated):
 
     what: ClassVar[str] = "sampling parameter"
 
-    n: int = Field(1, ge=1, description="completions of the prompt, sharing its prefill")
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 keeps every token")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, description="completions of the prompt, sharing its prefill (at most the engine's max_n)")
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1 keeps every token")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     max_tokens: int = Field(16, ge=1)
     stop: list[str] = Field(default_factory=list, description="strings that end the output (not included in it)")
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = None
-    logprobs: int | None = Field(None, ge=0, description="top log-probabilities per output token")
-    prompt_logprobs: int | None = Field(None, ge=0, description="top log-probabilities per prompt token")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="the request's own random stream (a 64-bit integer)")
+    logprobs: int | None = Field(None, ge=0, description="top log-probabilities per output token (at most the engine's max_logprobs)")
+    prompt_logprobs: int | None = Field(None, ge=0, description="top log-probabilities per prompt token (at most the engine's max_logprobs)")
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     cache_class: str | None = Field(None, description="retention class of the KV store this request's prefix is kept under (None: the default class)")

@@ -9,7 +9,9 @@ blocks are freed once the decode side says it has read them. Otherwise the
 state is exported and published by value, and the cache is freed at once.
 What nobody fetches is released after ``timeout_s``. A decode server fetches
 on a thread of its own, so the engine keeps stepping while bytes arrive, and
-checks sizes and checksum before the state is installed.
+checks sizes and checksum before the state is installed; a fetch that has not
+ended within its own ``timeout_s`` (a prefill host whose link went down answers
+nothing) fails its request then, whatever the connector still waits for.
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ class Handoffs:
         self.stats = TransferStats()
         self.published: dict[str, _Published] = {}
         self.fetches: dict[str, Future] = {}
+        #: when each fetch started (``time.monotonic``): one still running ``timeout_s`` later fails its request
+        self._fetch_started: dict[str, float] = {}
         self._pool: ThreadPoolExecutor | None = None
         #: the cache pools are registered with the connector (in place)
         self._registered = False
@@ -159,6 +163,7 @@ class Handoffs:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kv-fetch")
         self.fetches[request_id] = self._pool.submit(self._fetch, params)
+        self._fetch_started[request_id] = time.monotonic()
 
     def _fetch(self, params: Mapping[str, Any]) -> tuple[PrefilledRequest, int, float]:
         name, location, meta = parse_params(params)
@@ -183,10 +188,21 @@ class Handoffs:
     def done(self) -> list[tuple[str, PrefilledRequest | None, str | None]]:
         """Fetches that ended since the last call: ``(request id, state, None)`` or ``(request id, None, reason)``."""
         out = []
+        now = time.monotonic()
         for request_id, future in list(self.fetches.items()):
             if not future.done():
+                if now - self._fetch_started.get(request_id, now) > self.timeout_s:
+                    # the thread ends when the connector gives up (the mooncake connector's reads are bounded alike);
+                    # whatever it gets by then is dropped, and the prefill side releases the state on its own timeout
+                    future.cancel()
+                    del self.fetches[request_id]
+                    self._fetch_started.pop(request_id, None)
+                    self.stats.kv_transfer_failures += 1
+                    out.append((request_id, None, f"the KV transfer from the prefill server failed: it did not end within "
+                                                  f"{self.timeout_s:g} s (--kv-transfer-timeout); is the prefill server reachable?"))
                 continue
             del self.fetches[request_id]
+            self._fetch_started.pop(request_id, None)
             try:
                 prefilled, nbytes, seconds = future.result()
             except Exception as exc:  # noqa: BLE001 - a fetch that fails, however, fails its request alone

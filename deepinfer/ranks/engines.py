@@ -6,6 +6,7 @@ from ..config import EngineConfig
 from ..engine import Engine
 from ..engine_client import EngineClient
 from ..errors import ConfigError
+from ..lifetime import die_with_parent
 from .launch import torchrun_rank
 
 #: under torchrun, how long ranks other than 0 wait for rank 0's next tick (rank 0's caller may pause)
@@ -23,6 +24,7 @@ def make_engine(config: EngineConfig) -> EngineClient:
 
     if place is None:
         return ExpertParallelEngine(config)
+    die_with_parent()  # a torchrun rank (an ``LLM``'s process) dies with torchrun's agent; idempotent where ``serve`` did it
     if config.expert_parallel_size not in (1, place.world_size):
         raise ConfigError(
             f"--ep {config.expert_parallel_size} differs from torchrun's world size {place.world_size}; drop --ep or match it"

@@ -197,7 +197,12 @@ class ExpertParallelEngine:
         self._check()
         commands, self._queued = self._queued, []
         if self._server is not None:
-            return "reports", self._server.tick(Tick(commands))
+            try:
+                return "reports", self._server.tick(Tick(commands))
+            except RankFailure as exc:  # a rank across machines was lost (torchrun): this rank stops, the others alike
+                self._failed, self._closed = str(exc), True
+                self._server.engine.close()
+                raise
         if commands:
             self._group.send(commands)
         return self._receive(self.config.ep_timeout_s * 2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,12 +30,15 @@ from deepinfer_interfaces.errors import first_line
 
 from ..config import EngineConfig
 from ..errors import DeepInferError
+from ..net import is_loopback
 from .protocol import Tick
 
 #: seconds rank 0 waits for a command before it ticks anyway (a heartbeat: a dead rank is noticed while idle)
 HEARTBEAT_S = 0.5
 #: environment variable carrying a spawned rank's ``RankPlace`` and how to reach its front
 SPEC_ENV = "DEEPINFER_RANK_SPEC"
+#: environment variable naming torchrun's agent (``RUN_ID:PID``) to the processes below its worker
+LAUNCHER_ENV = "DEEPINFER_TORCHRUN_AGENT"
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class RankPlace:
     init_method: str
     #: machines in the group (EPLB keeps expert groups within one when it can)
     num_nodes: int = 1
+    #: the host the ranks meet at (torchrun's ``MASTER_ADDR``); None for a group spawned on this machine
+    rendezvous_host: str | None = None
 
 
 def torchrun_rank() -> RankPlace | None:
@@ -55,8 +61,35 @@ def torchrun_rank() -> RankPlace | None:
     if SPEC_ENV in env or int(env.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in env or "MASTER_ADDR" not in env:
         return None
     world = int(env["WORLD_SIZE"])
+    if "TORCHELASTIC_RUN_ID" in env:  # the first process torchrun started: its parent is torchrun's agent
+        env.setdefault(LAUNCHER_ENV, f"{env['TORCHELASTIC_RUN_ID']}:{os.getppid()}")
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    return RankPlace(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), "env://", max(1, world // max(local_world, 1)))
+    num_nodes = max(1, world // max(local_world, 1))
+    master = env["MASTER_ADDR"]
+    if num_nodes > 1 and is_loopback(master):
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"torchrun told rank {env['RANK']} to meet rank 0 at MASTER_ADDR={master}, a loopback address, though the group "
+            f"spans {num_nodes} machines; start torchrun with --local-addr <this machine's address> on every machine "
+            f"(under --rdzv-backend c10d) or --master-addr <machine 0's address>"
+        )
+    return RankPlace(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), "env://", num_nodes, master)
+
+
+def end_launcher() -> None:
+    """After this rank lost another machine: end torchrun's agent on this machine when it would not restart the
+    group anyway (``--max-restarts 0``). An agent cut off from the rendezvous store (on the lost machine, or
+    across the lost link) otherwise waits on it for minutes after its ranks ended; its other ranks die with it
+    (``lifetime.die_with_parent``)."""
+    env = os.environ
+    run_id, _, pid = env.get(LAUNCHER_ENV, "").rpartition(":")
+    if not pid.isdigit() or run_id != env.get("TORCHELASTIC_RUN_ID") or env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        return
+    try:
+        os.kill(int(pid), signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def failure_line(exc: BaseException) -> str:
@@ -135,9 +168,11 @@ def spawn_ranks(config: EngineConfig, world_size: int, start_timeout_s: float) -
     log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-ep-"))
     init = f"tcp://127.0.0.1:{free_local_port()}"
     procs = []
+    # each rank dies with this process (``lifetime.die_with_parent``): with this very thread when it is the main one
+    parent = {"pid": os.getpid(), "thread_lives": threading.current_thread() is threading.main_thread()}
     for rank in range(world_size):
         spec = {"place": asdict(RankPlace(rank, world_size, rank, init)), "front": list(listener.address), "key": key.hex(),
-                "config": config.model_dump_json()}
+                "config": config.model_dump_json(), "parent": parent}
         env = dict(os.environ, **{SPEC_ENV: json.dumps(spec)})
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
         log = open(log_dir / f"rank{rank}.log", "wb")

@@ -9,9 +9,12 @@ import traceback
 
 
 def main() -> int:
+    from ..lifetime import die_with_parent
     from .launch import SPEC_ENV, RankPlace, connect_front, failure_line, lead
 
     spec = json.loads(os.environ[SPEC_ENV])
+    parent = spec.get("parent") or {}
+    die_with_parent(parent.get("pid"), parent_thread_lives=parent.get("thread_lives", True))  # no rank outlives its front's process
     place = RankPlace(**spec["place"])
     conn = connect_front(spec)
     try:

@@ -11,14 +11,35 @@ rank 0 gathers the reports.
 from __future__ import annotations
 
 import datetime
+import os
+import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
+from concurrent.futures import ThreadPoolExecutor
+
 from ..engine import Engine
-from ..errors import DeepInferError
+from ..errors import DeepInferError, RankFailure
+from ..net import host_answers
+from .launch import end_launcher
 from ..request import Request
 from .protocol import Abort, AddRequest, Command, FlushCache, Metrics, PackedState, RankReport, Shutdown, Tick
+
+
+#: words of the errors torch.distributed's libraries raise (gloo's come as plain ``RuntimeError``)
+_COLLECTIVE_WORDS = ("gloo", "nccl", "hccl", "c10d", "timed out", "connection", "peer", "socket")
+
+
+def _collective_error(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a collective or the rendezvous store (a lost peer), not from the engine itself."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error) or isinstance(exc, ConnectionError):
+        return True
+    text = str(exc).lower()
+    return any(w in text for w in _COLLECTIVE_WORDS)
 
 
 def control_group(timeout_s: float) -> "dist.ProcessGroup":
@@ -34,15 +55,83 @@ def _outstanding(req: Request) -> int:
 class RankServer:
     """Applies a tick's commands to this rank's engine, steps it, and reports."""
 
-    def __init__(self, engine: Engine, group: "dist.ProcessGroup") -> None:
+    def __init__(self, engine: Engine, group: "dist.ProcessGroup", peers: list[tuple[str, int]] | None = None,
+                 timeout_s: float = 0.0) -> None:
         self.engine = engine
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.stopped = False
+        #: across machines (torchrun): each rank's address and the port it answers probes on (``net.answer_probes``),
+        #: by rank, to tell which one was lost when a collective fails
+        self.peers = peers
+        self.timeout_s = timeout_s
 
     def tick(self, tick: Tick | None = None) -> list[RankReport] | None:
-        """Run one tick (``tick`` is rank 0's; others pass None). Rank 0 gets every rank's report."""
+        """Run one tick (``tick`` is rank 0's; others pass None). Rank 0 gets every rank's report. Across machines,
+        a collective that fails (a peer's link or machine is down) raises ``RankFailure`` naming the lost rank."""
+        if self.peers is None:
+            return self._tick(tick)
+        try:
+            return self._tick(tick)
+        except (RuntimeError, ConnectionError) as exc:
+            if not _collective_error(exc):
+                raise  # the engine's own fault: reported as such
+            line, silent = self.lost_line(exc)
+            print(f"deepinfer: error: {line}", file=sys.stderr, flush=True)
+            if silent:  # a machine is gone: this machine's torchrun agent cannot reach the group's store either
+                end_launcher()
+            raise RankFailure(line) from None
+
+    def lost_line(self, exc: BaseException) -> tuple[str, bool]:
+        """One line naming the rank this one lost: the first whose machine does not answer at all, else (two
+        ranks) the other one; and whether a machine does not answer."""
+        others = [r for r in range(self.world) if r != self.rank]
+        machines = self._other_machines()
+        with ThreadPoolExecutor(max(1, len(machines))) as pool:
+            answers = dict(zip(machines, pool.map(lambda r: host_answers(*self.peers[r]), machines)))
+        silent = [r for r in machines if not answers[r]]
+        lost = silent[0] if silent else others[0] if len(others) == 1 else None
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        stop = f"stopped rank {self.rank} (restart the group)"
+        if lost is None:
+            return f"a collective of the expert-parallel group failed on rank {self.rank} of {self.world}: {cause}; {stop}", False
+        why = f"its machine {self.peers[lost][0]} does not answer" if lost in silent else "it broke off its connections"
+        return (f"lost rank {lost} of {self.world}: {why} (waited up to {self.timeout_s:.0f} s, --ep-timeout-s; "
+                f"{cause.split('] ')[-1]}); {stop}"), bool(silent)
+
+    def _other_machines(self) -> list[int]:
+        """The first rank on each machine other than this one's (one probe per machine, not per rank)."""
+        first: dict[str, int] = {}
+        for r, (address, _) in enumerate(self.peers):
+            first.setdefault(address, r)
+        return [r for address, r in first.items() if address != self.peers[self.rank][0]]
+
+    def watch_peers(self, interval_s: float = 1.0) -> threading.Thread:
+        """Across machines: a thread that ends this process (status 1, one line naming the rank) once another
+        machine of the group (probed once a second at its first rank's probe port) has not answered for
+        ``timeout_s``, also while no collective runs to notice it (an idle group, a rank waiting for rank 0's tick)."""
+
+        def watch() -> None:
+            last_heard = {r: time.monotonic() for r in self._other_machines()}
+            while not self.stopped:
+                now = time.monotonic()
+                for r in last_heard:
+                    if host_answers(*self.peers[r], timeout_s=interval_s):
+                        last_heard[r] = time.monotonic()
+                    elif now - last_heard[r] > self.timeout_s and not self.stopped:
+                        print(f"deepinfer: error: lost rank {r} of {self.world}: its machine {self.peers[r][0]} has not "
+                              f"answered for {self.timeout_s:.0f} s (--ep-timeout-s); stopped rank {self.rank} "
+                              f"(restart the group)", file=sys.stderr, flush=True)
+                        end_launcher()
+                        os._exit(1)
+                time.sleep(interval_s)
+
+        thread = threading.Thread(target=watch, daemon=True, name="deepinfer-peer-watch")
+        thread.start()
+        return thread
+
+    def _tick(self, tick: Tick | None) -> list[RankReport] | None:
         box = [tick]
         dist.broadcast_object_list(box, src=0, group=self.group)
         tick = box[0]

@@ -1,6 +1,9 @@
-"""The FastAPI application: routes, the API key, the body-size limit, and every error as OpenAI's object."""
+"""The FastAPI application: routes, the API key, the body-size limit, the OpenAPI schema, and every error as
+OpenAI's object.
 
-from __future__ import annotations
+The route bodies are the request models bounded by the server's limits (``limits.request_models``); their
+annotations are evaluated when the routes are defined, so this module does not postpone annotations.
+"""
 
 import hmac
 import time
@@ -19,7 +22,8 @@ from .async_engine import EngineDeadError
 from .bootstrap import ROOM_WAIT_S
 from .errors import RETRY_AFTER_S, error_for
 from .metrics import CONTENT_TYPE
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from .limits import RAISED_BY, request_models
+from .protocol import ChatCompletionRequest, DetokenizeRequest, error_body
 from .state import ServerState
 
 #: endpoints anyone may call without the API key (orchestrators' probes, Prometheus, the decode servers' rendezvous)
@@ -92,13 +96,38 @@ def _field(errors: list[dict[str, Any]]) -> str | None:
     return ".".join(first[:n]) or None
 
 
-def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
-    app = FastAPI(title="deepinfer", docs_url=None, redoc_url=None, openapi_url=None)
+#: characters of a refused value a message echoes
+ECHO_CHARS = 80
+
+
+def _echo(value: Any) -> str:
+    """A refused value as the message shows it: its repr, cut short (a list past its bound can be long)."""
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 3] + "..."
+
+
+def _telling(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error to report: the first field's first error that is not a union member's type mismatch (a list
+    past its bound also fails ``str | list[str]``'s ``str`` member; the bound is what the client needs)."""
+    first = [str(p) for p in errors[0].get("loc", ()) if p != "body"][:1]
+    same = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == first]
+    return next((e for e in same if not str(e.get("type", "")).endswith("_type")), errors[0])
+
+
+def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 32 << 20, docs: bool = True) -> FastAPI:
+    """The server's application. ``docs``: serve ``/openapi.json`` and ``/docs`` (behind the API key like the rest)."""
+    app = FastAPI(
+        title="deepinfer", version=str(state.info.get("version", "unknown")), docs_url="/docs" if docs else None, redoc_url=None,
+        openapi_url="/openapi.json" if docs else None,
+        description="OpenAI-compatible inference for the DeepSeek-V4 family. Every error is OpenAI's error object.",
+    )
     app.state.server = state
+    models = request_models(state.limits)
+    Completion, Chat, Tokenize = models.completion, models.chat, models.tokenize
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0]
+        err = _telling(exc.errors())
         field = _field(exc.errors())
         if err.get("type") == "json_invalid":
             return _error(400, error_body(f"the request body is not valid JSON: {err.get('msg')}", "invalid_request_error", 400))
@@ -107,7 +136,10 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
         elif err.get("type") == "missing":  # its input is the whole body: not echoed
             message = f"invalid request field '{field}': {err.get('msg')}"
         else:
-            message = f"invalid request field '{field}' = {err.get('input')!r}: {err.get('msg')}"
+            message = f"invalid request field '{field}' = {_echo(err.get('input'))}: {err.get('msg')}"
+            flag = RAISED_BY.get(field.split(".")[0])
+            if flag is not None and err.get("type") == "less_than_equal":
+                message += f" (the server's {flag})"
         return _error(400, error_body(message, "invalid_request_error", 400, field))
 
     @app.exception_handler(HTTPException)
@@ -128,22 +160,22 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
             raise EngineDeadError("the server is shutting down; send the request to another replica")
 
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request):
+    async def create_completion(body: Completion, request: Request):
         refuse_when_draining()
         return await completions.create_completion(body, state, request)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    async def create_chat_completion(body: Chat, request: Request):
         refuse_when_draining()
         return await chat.create_chat_completion(body, state, request)
 
     @app.post("/v1/completions/render")
-    async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
+    async def render_completion(body: Completion) -> list[dict[str, Any]]:
         """The prompts' token ids (vLLM's router routes by them)."""
         return render.render_completion(body, state)
 
     @app.post("/v1/chat/completions/render")
-    async def render_chat_completion(body: ChatCompletionRequest) -> dict[str, Any]:
+    async def render_chat_completion(body: Chat) -> dict[str, Any]:
         """The conversation's token ids in the chat format (vLLM's router routes by them)."""
         return render.render_chat(body, state)
 
@@ -171,7 +203,7 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
         return Response(state.metrics.render(counters, state.engine.load), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(body: Tokenize) -> dict[str, Any]:
         state.model_name(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -71,6 +72,8 @@ class RequestStream:
         self.on_finish: Callable[[RequestOutput | None, str | None], None] | None = None
         #: settled once the engine has taken the request: None (accepted) or the reason it was refused
         self._admission: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        #: the refusal was the engine's fault while admitting it (500), not the request's (400)
+        self.refused_internally = False
 
     @property
     def finished(self) -> bool:
@@ -102,7 +105,8 @@ class RequestStream:
         it on arrival (an output constraint that does not compile, ...), or None."""
         return await self._admission
 
-    def _admit(self, refusal: str | None) -> None:
+    def _admit(self, refusal: str | None, internal: bool = False) -> None:
+        self.refused_internally = internal
         if not self._admission.done():
             self._admission.set_result(refusal)
 
@@ -150,8 +154,8 @@ class AsyncEngine:
         self.info: EngineInfo | None = None
         self.streams: dict[str, RequestStream] = {}
         self._load = EngineLoad()
-        #: requests sent but not yet taken by the engine (they count as waiting)
-        self._unadmitted = 0
+        #: requests sent but not yet taken by the engine, with their completions (they count as waiting)
+        self._unadmitted: dict[str, int] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -192,6 +196,9 @@ class AsyncEngine:
         """Begin reading the engine's messages on the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._conn.fileno(), self._readable)
+        # uvloop makes a watched socket non-blocking; a message larger than the socket's buffer (a step with
+        # many completions' log-probabilities) then arrives in parts, and reading it must wait for the rest
+        os.set_blocking(self._conn.fileno(), True)
 
     async def stop(self) -> None:
         """Abort what is left and stop the engine process (its ranks too)."""
@@ -219,19 +226,23 @@ class AsyncEngine:
         self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, num_prompt_tokens: int, *,
         hold_kv: bool = False, kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
-        """Send a request for the next step; raises when the engine is dead or too many requests wait.
+        """Send a request for the next step; raises when the engine is dead or too many completions wait.
         ``hold_kv`` (prefill role): publish its state when it finishes; ``kv_transfer_params`` (decode role):
-        fetch its prompt's state from a prefill server first."""
+        fetch its prompt's state from a prefill server first.
+
+        The queue counts completions, not requests (a request with ``n`` completions is ``n`` sequences the
+        engine keeps), so what waits is bounded whatever the requests' ``n``."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has failed ({self.dead}); the server is restarting")
-        waiting = self._load.num_waiting + self._unadmitted
-        if waiting >= self.max_queued_requests:
+        waiting = self._load.num_waiting + sum(self._unadmitted.values())
+        if waiting and waiting + params.n > self.max_queued_requests:
             raise QueueFullError(
-                f"the server has {waiting} requests waiting, its limit (--max-queued-requests {self.max_queued_requests}); retry later"
+                f"the server has {waiting} completions waiting and this request adds {params.n}, past its limit "
+                f"(--max-queued-requests {self.max_queued_requests}); retry later"
             )
         stream = RequestStream(request_id, num_prompt_tokens)
         self.streams[request_id] = stream
-        self._unadmitted += 1
+        self._unadmitted[request_id] = params.n
         self._send(Add(request_id, prompt, params, hold_kv, kv_transfer_params))
         return stream
 
@@ -272,11 +283,20 @@ class AsyncEngine:
         now = time.monotonic()
         try:
             while self._conn.poll():
-                self._handle(self._conn.recv(), now)
-        except (EOFError, OSError):
+                msg = self._conn.recv()
+                try:
+                    self._handle(msg, now)
+                except Exception:  # noqa: BLE001 - one message's fault must not stop the reader
+                    log.exception("handling the engine's message %s failed", type(msg).__name__)
+        except (EOFError, OSError) as exc:
             self._loop.remove_reader(self._conn.fileno())
             self._process.join(5)
-            self._die(f"the engine process exited with status {self._process.exitcode}")
+            if self._process.exitcode is None:  # alive, but its messages can no longer be read
+                log.error("the connection to the engine process broke: %r", exc)
+                self._process.kill()
+                self._die(f"the connection to the engine process broke ({type(exc).__name__}: {exc})")
+            else:
+                self._die(f"the engine process exited with status {self._process.exitcode}")
 
     def _handle(self, msg: Any, now: float) -> None:
         if isinstance(msg, StepOutputs):
@@ -284,13 +304,19 @@ class AsyncEngine:
             streams = self.streams
             for delta in msg.deltas:
                 stream = streams.get(delta.request_id)
-                if stream is not None:
+                if stream is None:
+                    continue
+                try:
                     stream._apply(delta, now)
+                except Exception as exc:  # noqa: BLE001 - this request fails alone; the engine is told to drop it
+                    log.exception("applying an output of request %s failed", delta.request_id)
+                    self.abort(delta.request_id)
+                    stream._fail(f"internal error while receiving the request's output: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
         elif isinstance(msg, Admitted):
-            self._unadmitted -= 1
+            self._unadmitted.pop(msg.request_id, None)
             stream = self.streams.get(msg.request_id)
             if stream is not None:
-                stream._admit(msg.refusal)
+                stream._admit(msg.refusal, msg.internal)
         elif isinstance(msg, Answer):
             future = self._calls.get(msg.call_id)
             if future is not None and not future.done():

@@ -5,7 +5,9 @@ port for it.
 The prefill server answers ``GET /bootstrap/rooms/{room}`` on its bootstrap port (the same application,
 one more listening socket), waiting up to ``wait`` seconds for the room's prefill to finish; the answer is
 the ``kv_transfer_params`` the decode server fetches the state with. Rooms nobody asked for are forgotten
-after the transfer timeout.
+after the transfer timeout. The decode server asks in short waits (``ROOM_POLL_S``), each bounded, so a
+prefill host that went away (its link down: no answer, no refusal) fails the request within seconds, not
+after the whole wait.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from .streaming import RequestFailed
 
 #: longest a decode server waits for its room's prefill to finish
 ROOM_WAIT_S = 120.0
+#: seconds a decode server gives the prefill server's bootstrap port to accept a connection, and to answer past a wait
+ROOM_CONNECT_S = 5.0
+#: a decode server asks for its room in waits this long (a lost prefill host is noticed within it plus ROOM_CONNECT_S)
+ROOM_POLL_S = 2.0
+#: how a room's answer starts when its prefill has not finished within the wait asked for
+_NOT_YET = "the prefill of room"
 
 
 @dataclass
@@ -57,7 +65,7 @@ class Rooms:
         try:
             await asyncio.wait_for(r.ready.wait(), timeout_s)
         except asyncio.TimeoutError:
-            return None, f"the prefill of room {room} did not finish within {timeout_s:.0f} s"
+            return None, f"{_NOT_YET} {room} did not finish within {timeout_s:g} s"
         self._rooms.pop(room, None)
         return r.params, r.error
 
@@ -90,14 +98,24 @@ async def fetch_room_params(body: SamplingFields) -> dict[str, Any]:
         raise InvalidRequestError("a decode server needs kv_transfer_params, or bootstrap_host, bootstrap_port and bootstrap_room "
                                   "(send requests through a prefill/decode router)", "kv_transfer_params")
     url = f"http://{host}:{port}/bootstrap/rooms/{room}"
-    try:
-        async with httpx.AsyncClient(timeout=ROOM_WAIT_S + 10) as client:
-            r = await client.get(url, params={"wait": ROOM_WAIT_S})
-    except httpx.HTTPError as exc:
-        raise RoomUnavailable(f"the prefill server's bootstrap port {host}:{port} did not answer ({type(exc).__name__})") from None
-    if r.status_code != 200:
-        raise RoomUnavailable(f"the prefill server has no KV state for room {room}: {r.json().get('error', {}).get('message', r.text)}")
-    return r.json()["kv_transfer_params"]
+    deadline = time.monotonic() + ROOM_WAIT_S
+    async with httpx.AsyncClient(timeout=httpx.Timeout(ROOM_POLL_S + ROOM_CONNECT_S, connect=ROOM_CONNECT_S)) as client:
+        while True:
+            wait = max(0.0, min(ROOM_POLL_S, deadline - time.monotonic()))
+            try:
+                r = await client.get(url, params={"wait": wait})
+            except httpx.HTTPError as exc:
+                raise RoomUnavailable(f"the prefill server's bootstrap port {host}:{port} did not answer ({type(exc).__name__}); "
+                                      "is the prefill server reachable?") from None
+            if r.status_code == 200:
+                return r.json()["kv_transfer_params"]
+            try:
+                message = r.json().get("error", {}).get("message", r.text)
+            except ValueError:
+                message = r.text
+            if r.status_code == 404 and str(message).startswith(_NOT_YET) and time.monotonic() < deadline:
+                continue  # not finished yet: ask again (a short wait each time, so a lost host is noticed)
+            raise RoomUnavailable(f"the prefill server has no KV state for room {room}: {message}")
 
 
 class RoomUnavailable(RequestFailed):

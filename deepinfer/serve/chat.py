@@ -21,7 +21,7 @@ from .async_engine import RequestStream
 from .chat_parsing import ChatDelta, ChatOutputParser, ParsedChat, parse_chat_output
 from .bootstrap import post_when_done, room_of
 from .deltas import CompletionCursor, chat_logprobs, decoder, usage
-from .errors import error_for
+from .errors import error_for, guarded
 from .params import constraint_field, sampling_params, served_max_tokens
 from .protocol import ChatCompletionRequest
 from .state import ServerState
@@ -86,8 +86,6 @@ def _tool_parser(body: ChatCompletionRequest, state: ServerState) -> str | None:
 
 async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, http: HTTPRequest):
     model = state.model_name(body.model)
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-        raise InvalidRequestError(f"top_logprobs must be between 0 and 20, got {body.top_logprobs}", "top_logprobs")
     tool_parser = _tool_parser(body, state)
     prompt = render(body, state)
     text, ids = prompt.text, prompt.token_ids
@@ -98,7 +96,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     requested = 1 if hold_kv else requested  # a prefill server samples the first token; the decode server the rest
     top = (body.top_logprobs or 0) if body.logprobs else None
     named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    params = sampling_params(body, max_tokens=served_max_tokens(requested, n_prompt, state.max_model_len, named), logprobs=top)
+    params = sampling_params(body, state.limits, max_tokens=served_max_tokens(requested, n_prompt, state.max_model_len, named), logprobs=top)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.engine.submit(rid, engine_input, params, n_prompt, hold_kv=hold_kv, kv_transfer_params=transfer)
     room = room_of(body)
@@ -107,7 +105,8 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     await admit(state.engine, [stream], state.metrics, constraint_field(body) or ("messages" if prompt.images else None))
     created = int(time.time())
     if body.stream:
-        return StreamingResponse(_stream(body, state, rid, model, created, text, n_prompt, stream, tool_parser), media_type="text/event-stream")
+        return StreamingResponse(guarded(_stream(body, state, rid, model, created, text, n_prompt, stream, tool_parser)),
+                                 media_type="text/event-stream")
     out = (await final_outputs(state.engine, [stream], http, state.metrics))[0]
     choices = []
     for c in out.outputs:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
 from ..sampling_params import InvalidRequestError
-from .errors import error_for
+from .errors import error_for, guarded
 from .bootstrap import post_when_done, room_of
 from .deltas import CompletionCursor, completion_logprobs, decoder, usage
 from .params import constraint_field, sampling_params, served_max_tokens
@@ -41,12 +41,30 @@ def tokenized_prompts(state: ServerState, prompt: Any) -> list[tuple[str | None,
     return out
 
 
+def _prompt_logprobs(body: CompletionRequest) -> int | None:
+    """Top log-probabilities the engine scores each prompt token with: for ``prompt_logprobs``, and for
+    ``echo`` with ``logprobs`` (the echoed prompt's entries)."""
+    wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+    return max(wanted) if wanted else None
+
+
+def _prompt_logprobs_field(k: int, ids: list[int], positions: list | None) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt position None (the first) or token id -> its
+    ``logprob``, ``rank`` and ``decoded_token``, the top ``k`` and the prompt's own token."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for i, row in enumerate(positions or [None] * len(ids)):
+        if row is None:
+            out.append(None)
+            continue
+        out.append({str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                    for t, lp in row.items() if lp.rank <= k or t == ids[i]})
+    return out
+
+
 async def create_completion(body: CompletionRequest, state: ServerState, http: HTTPRequest):
     model = state.model_name(body.model)
     if body.suffix:
         raise InvalidRequestError("suffix is not supported (the model has no fill-in-the-middle format)", "suffix")
-    if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-        raise InvalidRequestError(f"logprobs must be between 0 and 20, got {body.logprobs}", "logprobs")
     prompts = tokenized_prompts(state, body.prompt)
     hold_kv, transfer = await state.transfer(body, len(prompts))
     engine = state.engine
@@ -56,8 +74,8 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
         requested = body.max_tokens if body.max_tokens is not None else min(DEFAULT_MAX_TOKENS, state.max_model_len - len(ids))
         requested = 1 if hold_kv else requested  # a prefill server samples the first token; the decode server the rest
         params.append(sampling_params(
-            body, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len), logprobs=body.logprobs,
-            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+            body, state.limits, max_tokens=served_max_tokens(requested, len(ids), state.max_model_len), logprobs=body.logprobs,
+            prompt_logprobs=_prompt_logprobs(body),
         ))
     streams = []
     try:
@@ -72,7 +90,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
     await admit(engine, streams, state.metrics, constraint_field(body))
     created = int(time.time())
     if body.stream:
-        return StreamingResponse(_stream(body, state, http, base, model, created, prompts, streams), media_type="text/event-stream")
+        return StreamingResponse(guarded(_stream(body, state, http, base, model, created, prompts, streams)), media_type="text/event-stream")
     outs = await final_outputs(engine, streams, http, state.metrics)
     choices = []
     completion_tokens = 0
@@ -87,6 +105,8 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             })
+            if body.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = _prompt_logprobs_field(body.prompt_logprobs, ids, out.prompt_logprobs)
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     response = {
         "id": base, "object": "text_completion", "created": created, "model": model, "choices": choices,

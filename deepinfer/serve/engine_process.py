@@ -10,6 +10,7 @@ Under expert parallelism this process is the front of the rank group.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -18,11 +19,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from deepinfer_interfaces.errors import first_line
 from deepinfer_interfaces.kv_connector import KVConnectorError
 
 from ..engine_client import EngineClient
-from ..errors import DeepInferError
+from ..errors import DeepInferError, RankFailure
 from ..kv_transfer.handoffs import Handoffs
+from ..lifetime import die_with_parent
 from ..kv_transfer.sequence_state import PrefilledRequest
 from ..outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from ..sampling_params import SamplingParams
@@ -32,6 +35,8 @@ log = logging.getLogger("deepinfer")
 
 #: seconds the idle engine waits for a message before checking its health again
 IDLE_POLL_S = 0.5
+#: seconds the engine waits for a message when requests wait but nothing can run (a prefill engine's held states)
+WAITING_POLL_S = 0.01
 
 
 # ----- server -> engine -----
@@ -121,6 +126,8 @@ class Admitted:
 
     request_id: str
     refusal: str | None
+    #: the refusal is the engine's fault (500), not the request's (400)
+    internal: bool = False
 
 
 @dataclass
@@ -157,7 +164,7 @@ def _delta(out: RequestOutput, sent: _Sent) -> OutputDelta:
             c.finish_reason, c.stop_reason,
         ))
         sent.text[k], sent.tokens[k] = len(c.text), len(c.token_ids)
-    delta = OutputDelta(out.request_id, completions, out.finished, out.error, out.num_cached_tokens)
+    delta = OutputDelta(out.request_id, completions, out.finished, out.error, out.num_cached_tokens, server_error=out.internal_error)
     if out.finished:
         delta.prompt_token_ids, delta.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
     return delta
@@ -181,8 +188,7 @@ def apply_delta(out: RequestOutput | None, delta: OutputDelta) -> RequestOutput:
         out.prompt_token_ids, out.prompt_logprobs = delta.prompt_token_ids, delta.prompt_logprobs
     if delta.kv_transfer_params is not None:
         out.extra["kv_transfer_params"] = delta.kv_transfer_params
-    if delta.server_error:
-        out.extra["server_error"] = True
+    out.internal_error = out.internal_error or delta.server_error
     return out
 
 
@@ -216,7 +222,9 @@ class _EngineLoop:
                 self._transfers()
             if engine.has_unfinished:
                 changed = engine.step()
-                deltas = [self._take(engine.output(r, prompt_ids=r.all_finished)) for r in changed]  # sent once, at the end
+                if not changed and not engine.load().num_running:
+                    self.conn.poll(WAITING_POLL_S)  # requests wait for held states to be released: do not spin
+                deltas = [self._output_delta(r) for r in changed]
                 for r, d in zip(changed, deltas):
                     if d.finished and r.hold_kv:
                         self._publish(d)
@@ -262,12 +270,33 @@ class _EngineLoop:
         except Exception as exc:  # noqa: BLE001 - the request fails, the server goes on
             delta.error, delta.server_error = f"publishing the KV state failed: {str(exc).splitlines()[0]}", True
 
+    def _output_delta(self, req) -> OutputDelta:
+        """What ``req`` gained this step (its prompt's ids sent once, at the end). A fault while building it
+        (detokenizing, copying logprobs) fails that request alone, with a 500 for its client."""
+        try:
+            return self._take(self.engine.output(req, prompt_ids=req.all_finished))
+        except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
+            log.exception("the output of request %s could not be built", req.request_id)
+            self.engine.abort(req.request_id)
+            self.sent.pop(req.request_id, None)
+            return OutputDelta(req.request_id, [], True, f"internal error while building the request's output: {first_line(exc)}",
+                               server_error=True)
+
     def _add(self, msg: Add, prefilled: PrefilledRequest | None = None) -> None:
         engine = self.engine
         roles = {"hold_kv": True} if msg.hold_kv else {"prefilled": prefilled} if prefilled is not None else {}
-        req = engine.add_request(msg.prompt, msg.params, request_id=msg.request_id, **roles)  # the colocated call any engine takes
-        out = engine.output(req) if req.all_finished else None  # refused on arrival (or done by its first token)
-        self.conn.send(Admitted(msg.request_id, out.error if out is not None else None))
+        try:
+            req = engine.add_request(msg.prompt, msg.params, request_id=msg.request_id, **roles)  # the colocated call any engine takes
+            out = engine.output(req) if req.all_finished else None  # refused on arrival (or done by its first token)
+        except RankFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a fault while admitting one request refuses it alone
+            log.exception("admitting request %s failed", msg.request_id)
+            engine.abort(msg.request_id)
+            engine.release([msg.request_id])
+            self.conn.send(Admitted(msg.request_id, f"internal error while admitting the request: {first_line(exc)}", internal=True))
+            return
+        self.conn.send(Admitted(msg.request_id, out.error if out is not None else None, out is not None and out.internal_error))
         if out is not None:
             delta = self._take(out)
             if req.hold_kv and out.error is None:
@@ -339,7 +368,7 @@ def _handoffs(transfer: TransferSettings | None) -> Handoffs | None:
     if not ok:
         raise DeepInferError(f"kv connector {transfer.connector!r} is unavailable: {why}")
     try:
-        return Handoffs(cls(transfer.options), transfer.timeout_s)
+        return Handoffs(cls({"timeout_s": transfer.timeout_s, **transfer.options}), transfer.timeout_s)
     except KVConnectorError as exc:
         raise DeepInferError(str(exc)) from None
 
@@ -347,6 +376,8 @@ def _handoffs(transfer: TransferSettings | None) -> Handoffs | None:
 def run_engine_process(config_json: str, conn: Connection, verbose: bool, transfer: TransferSettings | None = None) -> None:
     """The engine process's entry point (spawned): build the engine, say ready, step until told to stop.
     A failure is one line to the server, then exit status 1."""
+    parent = multiprocessing.parent_process()  # the server, as it knew its own pid when it started us
+    die_with_parent(parent.pid if parent is not None else None)  # a server SIGKILLed leaves no engine (nor ranks) behind
     from ..config import EngineConfig
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server drains and stops us

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ..errors import ChatFormatError, DeepInferError
@@ -9,7 +11,9 @@ from ..sampling_params import InvalidRequestError
 from .async_engine import EngineDeadError, QueueFullError
 from .protocol import error_body
 from .state import ModelNotFound
-from .streaming import ClientDisconnected, RequestFailed
+from .streaming import DONE, ClientDisconnected, RequestFailed, sse
+
+log = logging.getLogger("deepinfer")
 
 #: seconds a client refused for overload is told to wait
 RETRY_AFTER_S = 1
@@ -35,3 +39,15 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, (RequestFailed, DeepInferError)):
         return 500, error_body(message, "server_error", 500)
     return 500, error_body(f"internal error: {message}", "server_error", 500)
+
+
+async def guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A response's SSE events; a fault while making them (parsing the output, building a chunk) ends the
+    stream with OpenAI's error object as its last event and ``[DONE]``: the status line is already sent."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - this response fails alone
+        log.exception("a streamed response failed")
+        yield sse(error_for(exc)[1])
+        yield DONE

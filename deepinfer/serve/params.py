@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..request_limits import RequestLimits
 from ..sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from .protocol import SamplingFields
 
@@ -58,9 +59,16 @@ def constraint_field(body: SamplingFields) -> str | None:
 
 
 def sampling_params(
-    body: SamplingFields, *, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None
+    body: SamplingFields, limits: RequestLimits, *, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None
 ) -> SamplingParams:
-    """The engine's parameters for ``body``, generating at most ``max_tokens``."""
+    """The engine's parameters for ``body``, generating at most ``max_tokens``, within ``limits``."""
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequestError(
+            f"best_of {body.best_of} with n {body.n} is not supported: every completion generated is returned; "
+            "leave best_of out (or equal to n) and rank the n completions by their logprobs", "best_of",
+        )
+    if body.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported (the sampler adds no per-token bias); leave it out or send {}", "logit_bias")
     fields: dict[str, Any] = dict(
         n=body.n,
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -79,7 +87,9 @@ def sampling_params(
         value = getattr(body, name)
         if value is not None:
             fields[name] = value
-    return SamplingParams(**fields)
+    params = SamplingParams(**fields)
+    limits.check_params(params)
+    return params
 
 
 def served_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, param: str = "max_tokens") -> int:

@@ -8,9 +8,11 @@ and SGLang do. Unknown fields are ignored, never rejected: routers add their own
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..sampling_params import INT32_MAX, SEED_MAX, SEED_MIN
 
 
 class _Body(BaseModel):
@@ -48,15 +50,19 @@ class SamplingFields(_Body):
     """What completions and chat share: how to sample and when to stop."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
+    n: int = Field(1, ge=1)
+    #: vLLM's: generate ``best_of`` and return the ``n`` best; honoured when it equals ``n`` (every one is returned)
+    best_of: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
+    #: token id -> bias; only an empty mapping is served (the sampler adds no per-token bias)
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -81,16 +87,17 @@ class SamplingFields(_Body):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0)
+    #: vLLM's: the top log-probabilities of each prompt token, in each choice's ``prompt_logprobs``
+    prompt_logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

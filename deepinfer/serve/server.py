@@ -30,11 +30,15 @@ from ..config import EngineConfig
 from ..engine import resolve_model_dir
 from ..errors import ChatFormatError, ConfigError
 from ..image_input import ImageLimits
+from ..lifetime import die_with_parent
 from ..loader import load_tokenizer, read_config
 from ..models.registry import image_reader
+from ..net import advertised_host
 from ..prompts import image_placeholder
 from ..ranks.engines import make_engine
 from ..ranks.launch import torchrun_rank
+from ..request_limits import RequestLimits
+from ..version import package_version
 from .async_engine import AsyncEngine
 from .bootstrap import Rooms
 from .engine_process import TransferSettings
@@ -54,6 +58,9 @@ class ServeOptions:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    #: the address peers (decode servers, the KV connector's readers) are told to reach this server at;
+    #: None: ``net.advertised_host``'s choice (the bind host, else the interface that routes to the peers)
+    advertise_host: str | None = None
     api_key: str | None = None
     served_model_names: list[str] | None = None
     chat_template: str | None = None
@@ -72,6 +79,8 @@ class ServeOptions:
     kv_transfer_timeout: float = 60.0
     #: decode server, when a transfer fails: ``fail`` the request, or ``recompute`` its prompt here
     kv_load_failure_policy: str = "fail"
+    #: serve ``/openapi.json`` and ``/docs``
+    docs: bool = True
 
 
 class _Server(uvicorn.Server):
@@ -126,7 +135,7 @@ def _transfer(config: EngineConfig, options: ServeOptions) -> TransferSettings |
     """The connector of a prefill or decode server (None: colocated)."""
     if options.disaggregation_mode == "both":
         return None
-    host = options.host if options.host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname())
+    host = advertised_host(options.advertise_host, options.host)  # what the connector registers and hands to peers
     return TransferSettings(options.kv_connector, {"host": host, "directory": config.kv_store}, options.kv_transfer_timeout,
                             recompute=options.kv_load_failure_policy == "recompute")
 
@@ -146,14 +155,21 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read --chat-template {options.chat_template}: {getattr(exc, 'strerror', None) or exc}") from None
     place = torchrun_rank()
+    if place is not None:  # a torchrun worker, rank 0 (HTTP) too, dies with torchrun's agent: it cannot be orphaned
+        die_with_parent()
     if place is not None and place.rank != 0:  # under torchrun, rank 0 serves HTTP; this rank serves its experts
         make_engine(config)
         return 0
     sock = _bind(options.host, options.port)  # before loading: a taken port fails at once
+    try:
+        transfer = _transfer(config, options)  # a wrong --advertise-host fails at once too
+    except BaseException:
+        sock.close()
+        raise
     model_dir = resolve_model_dir(config.model)
     started = time.monotonic()
     log.info("loading %s (backend %s%s)", model_dir, config.backend, f", --ep {config.expert_parallel_size}" if config.expert_parallel_size > 1 else "")
-    engine = AsyncEngine(config, options.max_queued_requests, verbose=log.isEnabledFor(logging.INFO), transfer=_transfer(config, options))
+    engine = AsyncEngine(config, options.max_queued_requests, verbose=log.isEnabledFor(logging.INFO), transfer=transfer)
     try:
         info = engine.start_process()
         tokenizer = load_tokenizer(model_dir)
@@ -168,7 +184,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     names = options.served_model_names or [_default_name(config)]
     facts = {
         "model_path": str(model_dir), "model_type": info.model_type, "engine_config": config.model_dump(mode="json"),
-        "backend": info.backend, "chat_format": fmt.name if fmt is not None else None, "version": _version(),
+        "backend": info.backend, "chat_format": fmt.name if fmt is not None else None, "version": package_version(),
         "disaggregation_mode": options.disaggregation_mode,
         "kv_connector": options.kv_connector if options.disaggregation_mode != "both" else None,
     }
@@ -180,7 +196,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         tool_call_parser=_tool_call_parser(options.tool_call_parser, fmt), info=facts, disaggregation_mode=options.disaggregation_mode,
         recompute_failed_transfers=options.kv_load_failure_policy == "recompute",
         image_placeholder=placeholder, image_limits=ImageLimits.from_config(config),
-        image_reader=image_reader(raw) if placeholder is not None else None,
+        image_reader=image_reader(raw) if placeholder is not None else None, limits=RequestLimits.from_config(config),
     )
     sockets = [sock]
     if options.disaggregation_mode == "prefill":  # SGLang's router sends decode servers here to find each room's state
@@ -211,7 +227,7 @@ async def _run(state: ServerState, options: ServeOptions, sockets: list[socket.s
             asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, setattr, server, "should_exit", True)
 
     state.engine.on_dead = on_dead
-    app = build_app(state, options.api_key, options.max_request_bytes)
+    app = build_app(state, options.api_key, options.max_request_bytes, docs=options.docs)
     config = uvicorn.Config(
         app, log_level="warning", access_log=options.access_log, timeout_graceful_shutdown=math.ceil(options.shutdown_timeout),
         timeout_keep_alive=5,
@@ -241,15 +257,6 @@ async def _announce(server: _Server, state: ServerState, options: ServeOptions, 
         f"deepinfer: ready: serving {', '.join(map(repr, state.model_names))} at http://{host}:{options.port} "
         f"(loaded in {load_seconds:.1f} s{auth})", file=sys.stderr, flush=True,
     )
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("deepinfer")
-    except Exception:  # noqa: BLE001 - a source checkout without metadata
-        return "unknown"
 
 
 def api_key_from_env(given: str | None) -> str | None:

@@ -13,6 +13,7 @@ from ..chat import ChatFormat
 from ..engine import check_prompt_ids
 from ..image_input import ImageLimits
 from ..models.common.images import ImageReader
+from ..request_limits import RequestLimits
 from ..sampling_params import InvalidRequestError
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
@@ -58,6 +59,8 @@ class ServerState:
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     #: how long each decoded image's span is in a prompt (None: the model reads no images)
     image_reader: ImageReader | None = None
+    #: what one request may ask for (the engine's own bounds, checked here first so a refusal names its field)
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     async def transfer(self, body: SamplingFields, n_prompts: int) -> tuple[bool, dict[str, Any] | None]:
         """This server's part of a disaggregated request: (hold and publish its state: a prefill server,

@@ -39,7 +39,7 @@ def check_output(stream: RequestStream, out: RequestOutput | None) -> RequestOut
     if out is None:
         raise RequestFailed(stream.error or "the request failed")
     if out.error:
-        if not out.extra.get("server_error") and not any(c.token_ids for c in out.outputs):
+        if not out.internal_error and not any(c.token_ids for c in out.outputs):
             raise InvalidRequestError(out.error)
         raise RequestFailed(out.error)
     return out
@@ -119,4 +119,6 @@ async def admit(engine: AsyncEngine, streams: list[RequestStream], metrics: Serv
         refusal = await s.admitted()
         if refusal is not None:
             release(engine, streams, metrics)
+            if s.refused_internally:
+                raise RequestFailed(refusal)
             raise InvalidRequestError(refusal, "cache_class" if refusal.startswith("cache_class") else constraint)

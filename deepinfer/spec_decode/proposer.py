@@ -189,8 +189,8 @@ class DSparkProposer:
         self, step: Step, tokens: dict[str, list[SampledToken]], last: torch.Tensor | None, sampler: Sampler, max_positions: int,
     ) -> dict[str, DraftProposal]:
         """Draft for every sequence of ``step`` that sampled and was asked to draft (``propose``), anchored on its
-        last new token (``last``, in sampled order on the device; sampled rows draw their noise from their own
-        generators). Nothing runs when none was asked."""
+        last new token (``last``, in sampled order on the device; sampled rows take the noise of the positions
+        their drafts will occupy, ``Sampler.noise``). Nothing runs when none was asked."""
         anchors, picked = [], []
         for i, s in enumerate(step.sampled):
             if not (s.speculate and s.propose):
@@ -204,10 +204,11 @@ class DSparkProposer:
         dev = last.device
         noise = None
         if any(a.temperature > 0 for a in anchors):
-            noise = torch.ones(len(anchors), self.gamma, self.draft.model_config.vocab_size, device=dev)
-            for j, (a, i) in enumerate(zip(anchors, picked)):
-                if a.temperature > 0:
-                    noise[j].exponential_(generator=sampler.generator_for(a.request_id, step.sampled[i].sample))
+            # a seeded sequence drafts with the noise the target will draw each position with: what verification compares
+            specs = [step.sampled[i].sample for i in picked for _ in range(self.gamma)]
+            positions = [a.position + 1 + j for a in anchors for j in range(self.gamma)]
+            vocab = self.draft.model_config.vocab_size
+            noise = sampler.noise(specs, positions, vocab, dev).view(len(anchors), self.gamma, vocab)
         draft_tokens, survival = self.propose(anchors, last[torch.tensor(picked, device=dev)], noise)
         toks, surv = draft_tokens.tolist(), survival.float().tolist()
         return {a.request_id: DraftProposal(a.position, tuple(t), tuple(v)) for a, t, v in zip(anchors, toks, surv)}

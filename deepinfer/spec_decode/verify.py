@@ -1,4 +1,12 @@
-"""Lossless verification of drafted tokens: the target's sampling distributions against the draft's."""
+"""Lossless verification of drafted tokens: rejection sampling, or coupled verification for seeded requests.
+
+An unseeded sampled sequence keeps a draft with probability ``min(1, p / q)`` (rejection sampling: the
+higher acceptance). A seeded one is verified *coupled*: at each drafted position the target draws its
+own token with the request's counter-based noise for that position, exactly as plain sampling would,
+and a draft is kept while it equals that token. The emitted tokens are then the ones non-speculative
+sampling with the same seed gives, whatever was drafted, how much, or when. Greedy sequences keep
+drafts while they equal the argmax (both rules agree there).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,7 @@ import torch
 
 from deepinfer_interfaces import Kernels
 
-from ..sampler import Sampler
+from ..sampler import Sampler, sampling_params_tensors
 from ..step import ScheduledSequence
 from .proposer import DSparkProposer
 
@@ -16,28 +24,39 @@ def verify_drafts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(accepted [N], tokens [N, K + 1])`` for sequences whose drafts ``K`` wide (fewer for some) were
     computed: ``logits`` ``[N, K + 1, V]`` holds the target's logits (grammar masks applied) at each
-    sequence's anchor and after each of its drafts. Greedy sequences keep drafts while they equal the
-    argmax; sampled ones go through rejection sampling (``Kernels.rejection_sample``) with draws from
-    their own generators: uniforms for acceptance, Exp(1) noise for the token drawn at the end."""
+    sequence's anchor and after each of its drafts. ``tokens[n, :accepted[n]]`` are the kept drafts,
+    ``tokens[n, accepted[n]]`` the token drawn after them, the rest ``-1``."""
     n, width, vocab = logits.shape
     k = width - 1
     dev = logits.device
-    params = torch.tensor([[s.sample.temperature, s.sample.top_k, s.sample.top_p, s.sample.min_p] for s in seqs], dtype=torch.float64)
-    rep = params.to(dev).repeat_interleave(width, dim=0)
-    target = kernels.sampling_probs(
-        logits.reshape(n * width, vocab), rep[:, 0].float(), rep[:, 1].to(torch.int64), rep[:, 2].float(), rep[:, 3].float()
-    ).view(n, width, vocab)
+    specs = [s.sample for s in seqs]
+    # the position each row of a sequence draws for: its sample's, then one further per draft
+    positions = [[s.start + len(s.token_ids) + j for j in range(width)] for s in seqs]
+    flat_specs = [spec for spec in specs for _ in range(width)]
+    temperature, top_k, top_p, min_p = sampling_params_tensors(flat_specs, dev)
     drafts = torch.tensor([s.draft_token_ids + [-1] * (k - len(s.draft_token_ids)) for s in seqs], dtype=torch.int64, device=dev)
     num = torch.tensor([len(s.draft_token_ids) for s in seqs], dtype=torch.int64, device=dev)
-    q = proposer.draft_probs([s.request_id for s in seqs], k)
-    uniform = torch.zeros(n, k, device=dev)
-    if all(s.sample.greedy for s in seqs):  # one-hot distributions ignore the noise: a broadcast view of ones
+    if all(spec.greedy for spec in specs):  # one-hot distributions ignore the noise: a broadcast view of ones
         noise = torch.ones((), device=dev).expand(n, width, vocab)
     else:
-        noise = torch.ones(n, width, vocab, device=dev)
-    for i, s in enumerate(seqs):
-        if not s.sample.greedy:
-            gen = sampler.generator_for(s.request_id, s.sample)
-            uniform[i] = torch.rand(k, generator=gen, device=dev)
-            noise[i].exponential_(generator=gen)
-    return kernels.rejection_sample(target, q, drafts, num, uniform, noise)
+        noise = sampler.noise(flat_specs, [p for row in positions for p in row], vocab, dev).view(n, width, vocab)
+    target = kernels.sampling_probs(logits.reshape(n * width, vocab), temperature, top_k, top_p, min_p).view(n, width, vocab)
+    q = proposer.draft_probs([s.request_id for s in seqs], k)
+    uniform = sampler.uniforms(specs, [p[:k] for p in positions], dev)
+    accepted, tokens = kernels.rejection_sample(target, q, drafts, num, uniform, noise)
+    coupled = [i for i, spec in enumerate(specs) if not spec.greedy and spec.seed is not None]
+    if coupled:
+        rows = torch.tensor(coupled, dtype=torch.int64, device=dev)
+        own = kernels.sample(logits[rows].reshape(-1, vocab), *_rows(rows, width, temperature, top_k, top_p, min_p),
+                             noise[rows].reshape(-1, vocab)).view(len(coupled), width)
+        kept = (own[:, :k] == drafts[rows]) & (torch.arange(k, device=dev)[None, :] < num[rows][:, None])
+        agreed = kept.to(torch.int64).cumprod(-1).sum(-1)
+        upto = torch.arange(width, device=dev)[None, :] <= agreed[:, None]
+        accepted[rows] = agreed
+        tokens[rows] = torch.where(upto, own, torch.full_like(own, -1))
+    return accepted, tokens
+
+
+def _rows(rows: torch.Tensor, width: int, *params: torch.Tensor) -> list[torch.Tensor]:
+    """Each per-(sequence, slot) parameter ``[N * width]`` restricted to the sequences ``rows``."""
+    return [p.view(-1, width)[rows].reshape(-1) for p in params]

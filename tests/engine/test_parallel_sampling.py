@@ -81,7 +81,7 @@ def test_n_with_structured_output_logprobs_and_a_batch(ckpt):
 def test_without_room_to_copy_the_completions_prefill_on_their_own(ckpt):
     prompt = _prompt(25, 5)
     one = _llm(ckpt).generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
-    llm = _llm(ckpt, max_num_seqs=2, enable_prefix_caching=False)
+    llm = _llm(ckpt, max_num_seqs=2, max_n=3, enable_prefix_caching=False)  # n past the batch: completions wait their turn
     out = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert all(c.token_ids == one.outputs[0].token_ids for c in out.outputs)
     m = llm.get_metrics()

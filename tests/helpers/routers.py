@@ -36,6 +36,21 @@ def sglang_router_command() -> list[str]:
     return [sys.executable, "-m", "sglang_router.launch_router"]
 
 
+def wait_routing(proc: subprocess.Popen, url: str, log: Path, timeout_s: float, model: str = "tiny-v4") -> None:
+    """Until the router at ``url`` routes a one-token completion; fails when ``proc`` exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the router exited: {log.read_text(errors='replace')[-2000:]}"
+        try:
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1}, timeout=60)
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"the router never routed: {log.read_text(errors='replace')[-2000:]}"
+        time.sleep(1)
+
+
 @contextmanager
 def routing(command: list[str], log: Path) -> Iterator[str]:
     """The router ``command`` on a free port once it routes a completion; its URL. Stopped on exit, failure too."""
@@ -45,17 +60,7 @@ def routing(command: list[str], log: Path) -> Iterator[str]:
                                 stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "NO_COLOR": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"the router exited: {log.read_text(errors='replace')[-2000:]}"
-            try:
-                r = httpx.post(url + "/v1/completions", json={"model": "tiny-v4", "prompt": "x", "max_tokens": 1}, timeout=60)
-                if r.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"the router never routed: {log.read_text(errors='replace')[-2000:]}"
-            time.sleep(1)
+        wait_routing(proc, url, log, READY_TIMEOUT_S)
         yield url
     finally:
         try:

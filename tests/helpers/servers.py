@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,6 +67,25 @@ def server_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 class ServerExited(RuntimeError):
     """The server process ended before it was ready (the message carries its log's tail)."""
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str, log_tail: Callable[[], str]) -> None:
+    """Until ``url``'s ``/health`` answers 200; ``ServerExited`` when ``proc`` ends first, ``TimeoutError`` past
+    ``timeout_s`` (``what`` names the server in the message, ``log_tail`` gives its log's end)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise ServerExited(f"{what} exited with status {code} before it was ready:\n{log_tail()}")
+            try:
+                if client.get(url + "/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} was not ready within {timeout_s:.0f} s:\n{log_tail()}")
+            time.sleep(0.25)
 
 
 class ServerProcess:
@@ -115,20 +134,7 @@ class ServerProcess:
         raise AssertionError("unreachable")
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        with httpx.Client(timeout=5.0) as client:
-            while True:
-                code = self.proc.poll()
-                if code is not None:
-                    raise ServerExited(f"the server exited with status {code} before it was ready:\n{self.log_tail()}")
-                try:
-                    if client.get(self.url + "/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the server was not ready within {self.ready_timeout:.0f} s:\n{self.log_tail()}")
-                time.sleep(0.25)
+        wait_healthy(self.proc, self.url, self.ready_timeout, "the server", self.log_tail)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         """Send ``sig`` to the server process and wait up to ``timeout`` s for it to exit; its exit status.

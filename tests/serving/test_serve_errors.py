@@ -223,6 +223,66 @@ def test_invalid_sampling_values(server, path, body, param):
         assert_error(post(server.url, path, json=body), 400, "invalid_request_error", param)
 
 
+#: the bundled model's defaults: max_n is max_num_seqs, max_logprobs 20
+MAX_N, MAX_LOGPROBS = 64, 20
+HUGE = 9223372036854775808
+
+
+@pytest.mark.parametrize("path, body, param, contains", [
+    ("/v1/completions", completion(n=100000), "n", f"less than or equal to {MAX_N} (the server's --max-n)"),
+    ("/v1/chat/completions", chat(n=HUGE), "n", f"less than or equal to {MAX_N} (the server's --max-n)"),
+    ("/v1/completions", completion(best_of=100000), "best_of", f"less than or equal to {MAX_N}"),
+    ("/v1/completions", completion(best_of=3), "best_of", "best_of 3 with n 1 is not supported"),
+    ("/v1/completions", completion(prompt_logprobs=100000), "prompt_logprobs", f"less than or equal to {MAX_LOGPROBS}"),
+    ("/v1/completions", completion(logprobs=21), "logprobs", f"less than or equal to {MAX_LOGPROBS} (the server's --max-logprobs)"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=HUGE), "top_logprobs", f"less than or equal to {MAX_LOGPROBS}"),
+    ("/v1/completions", completion(seed=2**80), "seed", "less than or equal to"),
+    ("/v1/completions", completion(top_k=10**20), "top_k", "less than or equal to 2147483647"),
+    ("/v1/completions", completion(stop=["x"] * 65), "stop", "at most 64 items"),
+    ("/v1/completions", completion(stop="s" * 1025), "stop", "at most 1024 characters"),
+    ("/v1/completions", completion(stop_token_ids=[1] * 1025), "stop_token_ids", "at most 1024 items"),
+    ("/v1/completions", completion(stop_token_ids=[HUGE]), "stop_token_ids.0", "less than or equal to 2147483647"),
+    ("/v1/completions", completion(logit_bias={str(i): 1.0 for i in range(1025)}), "logit_bias", "at most 1024 items"),
+    ("/v1/completions", completion(logit_bias={"5": 10.0}), "logit_bias", "logit_bias is not supported"),
+    ("/v1/completions", completion(prompt=["hi"] * 257), "prompt", "at most 256 items"),
+    ("/v1/chat/completions", chat(messages=USER * 4097), "messages", "at most 4096 items"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}] * 257), "tools", "at most 256 items"),
+    ("/v1/completions", completion(max_tokens=HUGE), "max_tokens", "at most"),
+    ("/v1/completions", completion(temperature=float("inf")), "temperature", "finite"),
+])
+def test_request_bounds(server, path, body, param, contains):
+    """What a request multiplies is bounded: refused with a 400 naming the field and the limit, while a
+    healthy stream beside it runs whole and the server stays healthy."""
+    with healthy_stream(server.url):
+        r = post(server.url, path, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert_error(r, 400, "invalid_request_error", param, contains)
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_bounds_at_their_edges_are_served(server):
+    """The largest values the bounds allow are served, every completion whole (a seed at the top of its
+    64-bit range too, where each completion's seed wraps)."""
+    r = post(server.url, "/v1/completions", json=completion(n=MAX_N, max_tokens=2, seed=2**64 - 1, temperature=0.9,
+                                                            logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS))
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == MAX_N and all(len(c["logprobs"]["tokens"]) == 2 for c in choices)
+    prompt_lps = choices[0]["prompt_logprobs"]
+    assert prompt_lps[0] is None and all(len(p) >= MAX_LOGPROBS for p in prompt_lps[1:]), prompt_lps
+
+
+def test_openapi_schema_states_the_bounds(server):
+    spec = httpx.get(server.url + "/openapi.json", timeout=TIMEOUT).json()
+    props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert props["n"]["maximum"] == MAX_N and props["n"]["minimum"] == 1
+    assert any(m.get("maximum") == MAX_LOGPROBS for m in props["logprobs"]["anyOf"])
+    chat_props = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat_props["messages"]["maxItems"] == 4096
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/health"} <= set(spec["paths"])
+    docs = httpx.get(server.url + "/docs", timeout=TIMEOUT)
+    assert docs.status_code == 200 and "/openapi.json" in docs.text
+
+
 def test_prompt_longer_than_the_context(server):
     limit = httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["max_model_len"]
     with healthy_stream(server.url):
@@ -361,7 +421,11 @@ def test_tools_with_a_chat_format_that_cannot_render_them(serve, tmp_path):
 
 
 def test_oversized_body_is_413(serve):
-    srv = serve("--max-request-bytes", "2000")
+    srv = serve("--max-request-bytes", "2000", "--disable-docs", "--max-n", "2")
+    for path in ("/openapi.json", "/docs"):  # and with --disable-docs, no schema
+        assert_error(httpx.get(srv.url + path, timeout=TIMEOUT), 404, "invalid_request_error")
+    assert_error(post(srv.url, "/v1/completions", json=completion(n=3)), 400, "invalid_request_error", "n",
+                 "less than or equal to 2 (the server's --max-n)")
     big = json.dumps(completion(prompt="x" * 10_000)).encode()
 
     def chunked(data: bytes) -> Iterator[bytes]:
@@ -429,6 +493,9 @@ def test_api_key_flag(serve):
         assert_error(post(srv.url, "/v1/completions", json=completion(), headers={"Authorization": API_KEY}),
                      401, "authentication_error")  # not a bearer token
         assert_error(httpx.get(srv.url + "/v1/models", timeout=TIMEOUT), 401, "authentication_error")
+        assert_error(httpx.get(srv.url + "/openapi.json", timeout=TIMEOUT), 401, "authentication_error")  # the schema too
+        assert_error(httpx.get(srv.url + "/docs", timeout=TIMEOUT), 401, "authentication_error")
+        assert httpx.get(srv.url + "/openapi.json", headers=auth, timeout=TIMEOUT).json()["paths"]
         assert httpx.get(srv.url + "/health", timeout=TIMEOUT).status_code == 200
         assert "deepinfer:num_requests_running" in httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
     good = OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT)

@@ -16,13 +16,18 @@ pool), and checks the flag again before it marks the record read. By value
 (``publish``/``fetch``, an expert-parallel prefill server whose pools live in
 its ranks): the payload follows the flag and is read whole. RDMA where the
 machines have it, TCP elsewhere (``protocol`` option; the CPU reference and
-the tests use TCP through ``mooncake-transfer-engine-non-cuda``). A frozen peer
-fails a read after Mooncake's ``MC_TRANSFER_TIMEOUT`` (seconds).
+the tests use TCP through ``mooncake-transfer-engine-non-cuda``). A frozen peer,
+or one whose link went down, fails a read after Mooncake's ``MC_TRANSFER_TIMEOUT``
+(seconds): the ``timeout_s`` option (the server's ``--kv-transfer-timeout``)
+where the environment does not set it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ipaddress
+import math
+import os
 import struct
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,6 +40,9 @@ _PUBLISHED, _READ, _RELEASED = 0, 1, -1
 #: the in-place record's body: the segment count, ``(address, length)`` per segment, then the manifest
 _COUNT = struct.Struct("<q")
 _SEGMENT = struct.Struct("<qq")
+
+#: Mooncake's own bound on a transfer that makes no progress (seconds)
+_DEFAULT_TRANSFER_TIMEOUT_S = 30
 
 _PACKAGES = "mooncake-transfer-engine (CUDA), mooncake-transfer-engine-npu (Ascend) or mooncake-transfer-engine-non-cuda (CPU, TCP)"
 
@@ -53,8 +61,10 @@ def _import_engine():
 
 
 class MooncakeConnector(KVConnector):
-    """``options``: ``host`` (this side's address, default 127.0.0.1), ``protocol`` (``tcp`` or ``rdma``), ``device``
-    (the RDMA device names, empty for TCP)."""
+    """``options``: ``host`` (the address peers reach this side at; default ``net.advertised_host``'s choice, the
+    interface that routes to the default route, never loopback where another interface exists), ``protocol`` (``tcp`` or ``rdma``), ``device``
+    (the RDMA device names, empty for TCP), ``timeout_s`` (how long a read may make no progress; else
+    ``MC_TRANSFER_TIMEOUT``, else Mooncake's 30 s; at most 30 s)."""
 
     name = "mooncake"
     reads_in_place = True
@@ -70,7 +80,13 @@ class MooncakeConnector(KVConnector):
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(options)
         engine_cls = _import_engine()
-        self.host = str(self.options.get("host", "127.0.0.1"))
+        timeout_s = self.options.get("timeout_s")
+        if timeout_s and float(timeout_s) > 0 and "MC_TRANSFER_TIMEOUT" not in os.environ:
+            # read by the engine below; never longer than Mooncake's own default
+            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(1, min(_DEFAULT_TRANSFER_TIMEOUT_S, math.ceil(float(timeout_s)))))
+        from ...net import advertised_host
+
+        self.host = str(self.options.get("host") or advertised_host(None, None))
         self.engine = engine_cls()
         status = self.engine.initialize(self.host, "P2PHANDSHAKE", str(self.options.get("protocol", "tcp")), str(self.options.get("device", "")))
         if status != 0:
@@ -124,7 +140,7 @@ class MooncakeConnector(KVConnector):
         finally:
             self.engine.unregister_memory(local)
         if status < 0:
-            raise KVConnectorError(f"reading {total} bytes from {session} failed (status {status}); is the prefill server alive?")
+            raise KVConnectorError(f"reading {total} bytes from {session} failed (status {status}); {_hint(session)}")
         return buf if total else bytearray()
 
     def _mark_read(self, session: str, address: int) -> None:
@@ -138,7 +154,7 @@ class MooncakeConnector(KVConnector):
         finally:
             self.engine.unregister_memory(local)
         if status < 0:
-            raise KVConnectorError(f"telling {session} the state was read failed (status {status}); is the prefill server alive?")
+            raise KVConnectorError(f"telling {session} the state was read failed (status {status}); {_hint(session)}")
 
     # ----- in place -----
 
@@ -181,6 +197,20 @@ class MooncakeConnector(KVConnector):
         for address, _ in self.regions:
             self.engine.unregister_memory(address)
         self.regions.clear()
+
+
+def _hint(session: str) -> str:
+    """What to check when a read from ``session`` failed: the prefill server's life, or the loopback address it offered
+    (which a decode server on another host reaches as itself)."""
+    host = session.rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return ("is the prefill server alive? It offered a loopback address, which only a decode server on its own host can "
+                "reach: start it with --host <its address> or --advertise-host")
+    return "is the prefill server alive?"
 
 
 def _check_flag(record: bytearray) -> None:
