@@ -49,6 +49,22 @@ def test_greedy_completions_equal_llm_generate(client, llm):
     assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
 
 
+def test_seeded_sampling_through_the_server_equals_llm_generate(client, llm):
+    """A seeded request's tokens are a function of its seed, prompt and position alone: the server (its own
+    batch, speculation and timing) gives what ``LLM.generate`` gives, every completion, streamed too."""
+    sp = SamplingParams(n=3, temperature=0.8, seed=2**63 + 5, max_tokens=24, ignore_eos=True)
+    expected = [[c.text for c in o.outputs] for o in llm.generate(PROMPTS, sp)]
+    got = client.completions.create(model="tiny-v4", prompt=PROMPTS, n=3, temperature=0.8, seed=2**63 + 5, max_tokens=24,
+                                    extra_body={"ignore_eos": True})
+    assert [[c.text for c in got.choices[i * 3:(i + 1) * 3]] for i in range(len(PROMPTS))] == expected
+    streamed = [""] * 3
+    for chunk in client.completions.create(model="tiny-v4", prompt=PROMPTS[0], n=3, temperature=0.8, seed=2**63 + 5,
+                                           max_tokens=24, extra_body={"ignore_eos": True}, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == expected[0]
+
+
 def test_token_id_prompt_and_echo(client, llm):
     ids = llm.get_tokenizer().encode(PROMPTS[0]).ids
     expected = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12))[0]

@@ -49,8 +49,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 def _check_split(url: str, colocated_url: str, decode_url: str) -> None:
-    """Through the router: greedy completions, a streamed chat and a schema-constrained chat equal the colocated
-    server's; the decode server computed no prompt token and verified drafted tokens."""
+    """Through the router: greedy completions, a seeded sampled one, a streamed chat and a schema-constrained chat
+    equal the colocated server's; the decode server computed no prompt token and verified drafted tokens."""
     computed = metric(decode_url, "prefill_tokens_computed_total")
     drafted = metric(decode_url, "spec_decode_num_draft_tokens_total")
     for prompt in PROMPTS:
@@ -58,6 +58,11 @@ def _check_split(url: str, colocated_url: str, decode_url: str) -> None:
         got = httpx.post(url + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=120)
         assert got.status_code == 200, got.text
         assert got.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+    seeded = {**BODY, "prompt": PROMPTS[0], "temperature": 0.8, "seed": 20261207}  # the split draws what colocated draws
+    expected = httpx.post(colocated_url + "/v1/completions", json=seeded, timeout=120).json()
+    got = httpx.post(url + "/v1/completions", json=seeded, timeout=120)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == expected["choices"][0]["text"]
     chat = {**BODY, "messages": [{"role": "user", "content": "Write a haiku about tea."}], "max_tokens": 16}
     expected = httpx.post(colocated_url + "/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]["message"]["content"]
     assert _streamed_chat(url, chat) == expected
