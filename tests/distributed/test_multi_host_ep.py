@@ -31,7 +31,7 @@ PROMPTS = ["def read_file(path):", "The capital of France is"]
 #: seconds a rank waits in a collective (and for a silent peer's machine) before the group is declared failed
 EP_TIMEOUT_S = 10
 #: after EP_TIMEOUT_S: the time to notice, name the lost rank and exit (torchrun's agents included) on a busy machine
-EXIT_SLACK_S = 25
+EXIT_SLACK_S = 50
 #: bound on a group's start (two processes loading the model on a shared 2-core machine)
 START_TIMEOUT_S = 240
 

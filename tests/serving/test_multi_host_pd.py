@@ -34,7 +34,7 @@ QUICK = ["--speculative", "none", "--max-num-seqs", "4"]
 #: seconds the decode servers give a transfer (and the prefill servers a published state): small, so faults end soon
 TRANSFER_TIMEOUT_S = 3
 #: how long a failed transfer may take past the timeout (the engine's step, the HTTP round trips, a busy machine)
-SLACK_S = 12.0
+SLACK_S = 20.0
 #: the store pair's ports (the Mooncake pair is on SERVE_PORT, its bootstrap port BOOTSTRAP_PORT)
 STORE_PORT, STORE_BOOTSTRAP_PORT = SERVE_PORT + 1, BOOTSTRAP_PORT + 1
 #: the ports of the prefill server listening on every interface (``--host 0.0.0.0``)

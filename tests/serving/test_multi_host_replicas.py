@@ -38,7 +38,7 @@ ROUTER_FLAGS = ["--health-check-interval-secs", "1", "--health-check-timeout-sec
                 "--retry-max-retries", "5", "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "1000",
                 "--request-timeout-secs", "6", "--worker-startup-timeout-secs", "120"]
 #: seconds any one request may take through the router while a replica's link is down (retries included)
-REQUEST_BOUND_S = 25.0
+REQUEST_BOUND_S = 45.0
 
 
 @pytest.fixture(scope="module")
