@@ -47,7 +47,8 @@ class QueueFullError(DeepInferError):
 
 @dataclass
 class StreamTiming:
-    """Server-side times of one request: arrival, each delivery carrying new tokens, the end."""
+    """Server-side times of one request: arrival, each delivery carrying new tokens, the end; and where its
+    time went (``/metrics``' breakdown)."""
 
     arrival: float
     first_token: float | None = None
@@ -55,6 +56,13 @@ class StreamTiming:
     finished: float | None = None
     #: gaps between consecutive tokens as delivered (a delivery of k tokens after t seconds: k gaps of t / k)
     token_gaps: list[float] = field(default_factory=list)
+    #: when its handler began (arrival minus this: the server's pre-processing: validation, rendering, tokenizing)
+    received: float | None = None
+    #: seconds it waited in the engine before its first step, and spent there in all (the engine's figures)
+    queue: float | None = None
+    in_engine: float | None = None
+    #: seconds the server spent turning its outputs into response chunks
+    postprocess: float = 0.0
 
 
 class RequestStream:
@@ -80,6 +88,8 @@ class RequestStream:
         return self.error is not None or (self.latest is not None and self.latest.finished)
 
     def _apply(self, delta: OutputDelta, now: float) -> None:
+        if delta.engine_seconds is not None:
+            self.timing.queue, self.timing.in_engine = delta.queue_seconds, delta.engine_seconds
         self._deliver(apply_delta(self.latest, delta), now)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
@@ -224,7 +234,7 @@ class AsyncEngine:
 
     def submit(
         self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, num_prompt_tokens: int, *,
-        hold_kv: bool = False, kv_transfer_params: dict[str, Any] | None = None,
+        hold_kv: bool = False, kv_transfer_params: dict[str, Any] | None = None, received: float | None = None,
     ) -> RequestStream:
         """Send a request for the next step; raises when the engine is dead or too many completions wait.
         ``hold_kv`` (prefill role): publish its state when it finishes; ``kv_transfer_params`` (decode role):
@@ -241,6 +251,7 @@ class AsyncEngine:
                 f"(--max-queued-requests {self.max_queued_requests}); retry later"
             )
         stream = RequestStream(request_id, num_prompt_tokens)
+        stream.timing.received = received
         self.streams[request_id] = stream
         self._unadmitted[request_id] = params.n
         self._send(Add(request_id, prompt, params, hold_kv, kv_transfer_params))

@@ -85,6 +85,7 @@ def _tool_parser(body: ChatCompletionRequest, state: ServerState) -> str | None:
 
 
 async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, http: HTTPRequest):
+    received = time.monotonic()
     model = state.model_name(body.model)
     tool_parser = _tool_parser(body, state)
     prompt = render(body, state)
@@ -98,7 +99,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = sampling_params(body, state.limits, max_tokens=served_max_tokens(requested, n_prompt, state.max_model_len, named), logprobs=top)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = state.engine.submit(rid, engine_input, params, n_prompt, hold_kv=hold_kv, kv_transfer_params=transfer)
+    stream = state.engine.submit(rid, engine_input, params, n_prompt, hold_kv=hold_kv, kv_transfer_params=transfer, received=received)
     room = room_of(body)
     if hold_kv and room is not None and state.rooms is not None:
         post_when_done(state.rooms, room, stream)
@@ -108,6 +109,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         return StreamingResponse(guarded(_stream(body, state, rid, model, created, text, n_prompt, stream, tool_parser)),
                                  media_type="text/event-stream")
     out = (await final_outputs(state.engine, [stream], http, state.metrics))[0]
+    built = time.monotonic()
     choices = []
     for c in out.outputs:
         parsed = parse_chat_output(text, c.text, reasoning=state.reasoning_parser, tool_parser=tool_parser)
@@ -122,7 +124,9 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     response = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": counts}
     if hold_kv:
         response["kv_transfer_params"] = out.extra.get("kv_transfer_params")
-    return JSONResponse(response)
+    reply = JSONResponse(response)
+    state.metrics.observe_postprocess(time.monotonic() - built)
+    return reply
 
 
 def _message(parsed: ParsedChat, include_reasoning: bool) -> dict[str, Any]:
@@ -179,6 +183,7 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, rid: str, mod
         for j in range(body.n):
             yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         async for _, out in merged([stream]):
+            began = time.monotonic()
             try:
                 out = check_output(stream, out)
             except Exception as exc:  # noqa: BLE001 - the status line is sent: the failure goes in the stream
@@ -207,6 +212,7 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, rid: str, mod
                     continue
                 finish = _finish_reason(delta.finish_reason, [True] if called[c.index] else [])
                 choices.append({"index": c.index, "delta": fields, "logprobs": lp, "finish_reason": finish})
+            stream.timing.postprocess += time.monotonic() - began
             if choices:
                 yield sse({**head, "choices": choices})
         if include_usage:

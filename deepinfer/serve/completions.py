@@ -62,6 +62,7 @@ def _prompt_logprobs_field(k: int, ids: list[int], positions: list | None) -> li
 
 
 async def create_completion(body: CompletionRequest, state: ServerState, http: HTTPRequest):
+    received = time.monotonic()
     model = state.model_name(body.model)
     if body.suffix:
         raise InvalidRequestError("suffix is not supported (the model has no fill-in-the-middle format)", "suffix")
@@ -80,7 +81,8 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
     streams = []
     try:
         for i, ((_, ids), p) in enumerate(zip(prompts, params)):
-            streams.append(engine.submit(f"{base}-{i}", ids, p, len(ids), hold_kv=hold_kv, kv_transfer_params=transfer))
+            streams.append(engine.submit(f"{base}-{i}", ids, p, len(ids), hold_kv=hold_kv, kv_transfer_params=transfer,
+                                         received=received))
     except Exception:
         release(engine, streams, state.metrics)  # the queue filled up part-way: the earlier prompts go too
         raise
@@ -92,6 +94,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
     if body.stream:
         return StreamingResponse(guarded(_stream(body, state, http, base, model, created, prompts, streams)), media_type="text/event-stream")
     outs = await final_outputs(engine, streams, http, state.metrics)
+    built = time.monotonic()
     choices = []
     completion_tokens = 0
     for i, ((text, ids), out) in enumerate(zip(prompts, outs)):
@@ -114,7 +117,9 @@ async def create_completion(body: CompletionRequest, state: ServerState, http: H
     }
     if hold_kv:
         response["kv_transfer_params"] = outs[0].extra.get("kv_transfer_params")
-    return JSONResponse(response)
+    reply = JSONResponse(response)
+    state.metrics.observe_postprocess(time.monotonic() - built)
+    return reply
 
 
 
@@ -143,6 +148,7 @@ async def _stream(body, state: ServerState, http, base, model, created, prompts,
                 for j in range(body.n):
                     yield sse({**head, "choices": [{"index": i * body.n + j, "text": prompt_text, "logprobs": None, "finish_reason": None}]})
         async for i, out in merged(streams):
+            began = time.monotonic()
             try:
                 out = check_output(streams[i], out)
             except Exception as exc:  # noqa: BLE001 - the status line is sent: the failure goes in the stream
@@ -161,6 +167,7 @@ async def _stream(body, state: ServerState, http, base, model, created, prompts,
                     lp = completion_logprobs(delta.token_ids, delta.logprobs, body.logprobs, decoder(state.tokenizer), 0)
                 choices.append({"index": i * body.n + c.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason,
                                 "stop_reason": c.stop_reason if delta.finish_reason else None})
+            streams[i].timing.postprocess += time.monotonic() - began
             if choices:
                 yield sse({**head, "choices": choices})
         if include_usage:

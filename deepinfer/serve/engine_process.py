@@ -118,6 +118,10 @@ class OutputDelta:
     kv_transfer_params: dict[str, Any] | None = None
     #: the error is the server's (a failed KV transfer), not the request's
     server_error: bool = False
+    #: sent with the finishing delta: seconds the request waited in the engine before its first step, and
+    #: seconds from its arrival there to its end
+    queue_seconds: float | None = None
+    engine_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,10 @@ def _delta(out: RequestOutput, sent: _Sent) -> OutputDelta:
     delta = OutputDelta(out.request_id, completions, out.finished, out.error, out.num_cached_tokens, server_error=out.internal_error)
     if out.finished:
         delta.prompt_token_ids, delta.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
+        m = out.metrics
+        if m is not None:
+            delta.queue_seconds = m.first_scheduled_time - m.arrival_time if m.first_scheduled_time is not None else None
+            delta.engine_seconds = (m.finished_time if m.finished_time is not None else time.monotonic()) - m.arrival_time
     return delta
 
 

@@ -95,6 +95,16 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.failed = Counter("deepinfer:request_failure", "Requests that failed (engine errors, aborts)",
                               labels, registry=self.registry)
+        self.preprocess = Histogram("deepinfer:request_preprocess_time_seconds",
+                                    "Server time before a request reaches the engine: validation, rendering, tokenizing",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue = Histogram("deepinfer:request_queue_time_seconds", "Time a request waited in the engine before its first step",
+                               labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.in_engine = Histogram("deepinfer:request_engine_time_seconds", "Time from a request's arrival in the engine to its end there",
+                                   labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.postprocess = Histogram("deepinfer:request_postprocess_time_seconds",
+                                     "Server time turning a request's outputs into its response (parsing, detokenized text, chunks)",
+                                     labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def observe(self, timing: StreamTiming, finish_reasons: list[str | None]) -> None:
         """A request finished: its latencies and why it stopped."""
@@ -106,11 +116,23 @@ class ServerMetrics:
             itl.observe(gap)
         if timing.finished is not None:
             self.e2e.labels(name).observe(timing.finished - timing.arrival)
+        if timing.received is not None:
+            self.preprocess.labels(name).observe(max(0.0, timing.arrival - timing.received))
+        if timing.queue is not None:
+            self.queue.labels(name).observe(max(0.0, timing.queue))
+        if timing.in_engine is not None:
+            self.in_engine.labels(name).observe(max(0.0, timing.in_engine))
+        if timing.postprocess:
+            self.postprocess.labels(name).observe(timing.postprocess)
         for reason in finish_reasons:
             if reason in ("stop", "length", "tool_calls"):
                 self.finished.labels(name, reason).inc()
             else:
                 self.failed.labels(name).inc()
+
+    def observe_postprocess(self, seconds: float) -> None:
+        """A whole (non-streamed) response was built in ``seconds``."""
+        self.postprocess.labels(self.model_name).observe(seconds)
 
     def render(self, counters: dict[str, Any], load: EngineLoad) -> bytes:
         self.engine.counters = counters

@@ -294,3 +294,21 @@ def test_concurrent_streaming_clients_form_batches(server):
     assert _metric(text, "deepinfer:time_to_first_token_seconds_count") >= 32
     assert _metric(text, "deepinfer:generation_tokens_total") >= 32 * 48
     assert _metric(text, "deepinfer:inter_token_latency_seconds_count") > 0
+
+
+def test_metrics_break_a_request_down(client, server):
+    """``/metrics`` says where requests' time went: the server before the engine, the engine's queue, the engine,
+    and the server after it, for streamed and whole responses alike."""
+    before = httpx.get(server.url + "/metrics", timeout=30).text
+    names = ["deepinfer:request_preprocess_time_seconds", "deepinfer:request_queue_time_seconds",
+             "deepinfer:request_engine_time_seconds", "deepinfer:request_postprocess_time_seconds"]
+    counts = {n: _metric(before, n + "_count") for n in names}
+    client.completions.create(model="tiny-v4", prompt=PROMPTS[0], max_tokens=8, temperature=0.0)
+    for _ in client.chat.completions.create(model="tiny-v4", messages=CONVERSATION, max_completion_tokens=8, stream=True):
+        pass
+    after = httpx.get(server.url + "/metrics", timeout=30).text
+    for n in names:
+        assert _metric(after, n + "_count") == counts[n] + 2, n
+    e2e = _metric(after, "deepinfer:e2e_request_latency_seconds_sum") - _metric(before, "deepinfer:e2e_request_latency_seconds_sum")
+    engine = _metric(after, "deepinfer:request_engine_time_seconds_sum") - _metric(before, "deepinfer:request_engine_time_seconds_sum")
+    assert 0 < engine <= e2e + 0.05  # the engine's share of a request's time is part of it
