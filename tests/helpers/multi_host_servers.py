@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tests.helpers.hosts import Host
 from tests.helpers.routers import wait_routing
-from tests.helpers.servers import READY_TIMEOUT_S, ROOT, serve_command, server_env, wait_healthy
+from tests.helpers.servers import READY_TIMEOUT_S, ROOT, ServerLog, serve_command, server_env, wait_healthy
 
 #: the port every server listens on in its own host (a namespace has every port free)
 SERVE_PORT = 8000
@@ -33,7 +33,7 @@ ROUTER_PORT = 30000
 ROUTER_READY_S = 180.0
 
 
-class HostServer:
+class HostServer(ServerLog):
     """One ``deepinfer serve`` on ``host``, listening on the host's address (``--host <address>``)."""
 
     def __init__(self, host: Host, args: list[str], log_dir: Path, env: dict[str, str] | None = None,
@@ -68,15 +68,6 @@ class HostServer:
         """Until ``/health`` answers 200 from this (the client's) side of the bridge; raises when the server exits first
         or ``timeout_s`` passes."""
         wait_healthy(self.proc, self.url, timeout_s, f"the server on {self.host.address}", self.log_tail)
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def close(self, grace_s: float = 10.0) -> None:
         """SIGTERM the server's session, SIGKILL it past ``grace_s``."""

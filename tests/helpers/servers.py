@@ -88,7 +88,23 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str, 
             time.sleep(0.25)
 
 
-class ServerProcess:
+class ServerLog:
+    """A server's output file (``log_path``) read back."""
+
+    log_path: Path
+
+    def log_text(self) -> str:
+        """Everything the server wrote to stdout and stderr so far."""
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+class ServerProcess(ServerLog):
     """One ``deepinfer serve`` process in a session (and process group) of its own; its output goes to ``log_path``."""
 
     def __init__(self, args: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None,
@@ -198,16 +214,6 @@ class ServerProcess:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-    def log_text(self) -> str:
-        """Everything the server wrote to stdout and stderr so far."""
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def children(self) -> list[int]:
         """Pids of every process below the server (its engine process, and an ``--ep`` engine's ranks,
