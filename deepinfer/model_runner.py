@@ -320,7 +320,7 @@ class ModelRunner:
         s = self.selected
         return (kind, tuple(counts), model_fingerprint(self.model_dir), s.name, s.kernels_name, s.interpret, str(self.dtype),
                 self.device.describe(), self.plan.num_slots, self.max_model_len, self.quantization, torch.get_num_threads(),
-                self.max_batched_tokens, package_version(), torch.__version__)
+                package_version(), torch.__version__)
 
     def graph_shape(self, num_seqs: int, verify: bool) -> int | None:
         """The token count of the graph a decode (``verify``: verify) step of ``num_seqs`` sequences replays,

@@ -40,14 +40,22 @@ def verify_drafts(
         noise = torch.ones((), device=dev).expand(n, width, vocab)
     else:
         noise = sampler.noise(flat_specs, [p for row in positions for p in row], vocab, dev).view(n, width, vocab)
-    target = kernels.sampling_probs(logits.reshape(n * width, vocab), temperature, top_k, top_p, min_p).view(n, width, vocab)
-    q = proposer.draft_probs([s.request_id for s in seqs], k)
-    uniform = sampler.uniforms(specs, [p[:k] for p in positions], dev)
-    accepted, tokens = kernels.rejection_sample(target, q, drafts, num, uniform, noise)
+    params = (temperature, top_k, top_p, min_p)
+    accepted = torch.zeros(n, dtype=torch.int64, device=dev)
+    tokens = torch.full((n, width), -1, dtype=torch.int64, device=dev)
     coupled = [i for i, spec in enumerate(specs) if not spec.greedy and spec.seed is not None]
-    if coupled:
+    rest = sorted(set(range(n)) - set(coupled))
+    if rest:  # greedy and unseeded sequences: rejection sampling against the target's distributions
+        rows = torch.tensor(rest, dtype=torch.int64, device=dev)
+        whole = len(rest) == n  # keep the broadcast noise of an all-greedy batch a view
+        target = kernels.sampling_probs(logits[rows].reshape(-1, vocab), *_rows(rows, width, *params)).view(len(rest), width, vocab)
+        q = proposer.draft_probs([seqs[i].request_id for i in rest], k)
+        uniform = sampler.uniforms([specs[i] for i in rest], [positions[i][:k] for i in rest], dev)
+        accepted[rows], tokens[rows] = kernels.rejection_sample(target, q, drafts[rows], num[rows], uniform,
+                                                                noise if whole else noise[rows])
+    if coupled:  # seeded sequences: a draft is kept while it equals the target's own draw at its position
         rows = torch.tensor(coupled, dtype=torch.int64, device=dev)
-        own = kernels.sample(logits[rows].reshape(-1, vocab), *_rows(rows, width, temperature, top_k, top_p, min_p),
+        own = kernels.sample(logits[rows].reshape(-1, vocab), *_rows(rows, width, *params),
                              noise[rows].reshape(-1, vocab)).view(len(coupled), width)
         kept = (own[:, :k] == drafts[rows]) & (torch.arange(k, device=dev)[None, :] < num[rows][:, None])
         agreed = kept.to(torch.int64).cumprod(-1).sum(-1)
