@@ -131,6 +131,20 @@ class Host:
         self.processes.clear()
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop ``proc``'s whole session: SIGTERM, then SIGKILL (to anything of it still left) after ``grace_s``."""
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc, signal.SIGKILL)
+    try:
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)

@@ -11,7 +11,6 @@ network namespace, listening on the host's own address, and waited for from the 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-from tests.helpers.hosts import Host
+from tests.helpers.hosts import Host, stop_group
 from tests.helpers.routers import wait_routing
 from tests.helpers.servers import READY_TIMEOUT_S, ROOT, ServerLog, serve_command, server_env, wait_healthy
 
@@ -73,27 +72,9 @@ class HostServer(ServerLog):
         """SIGTERM the server's session, SIGKILL it past ``grace_s``."""
         if self.proc is None:
             return
-        _stop_group(self.proc, grace_s)
+        stop_group(self.proc, grace_s)
         if self.proc in self.host.processes:
             self.host.processes.remove(self.proc)
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(grace_s)
-            if sig == signal.SIGTERM:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # anything of its session still left
-                except (ProcessLookupError, PermissionError):
-                    pass
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def start_all(servers: list[HostServer]) -> list[HostServer]:
@@ -119,6 +100,6 @@ def routed(host: Host, command: list[str], log: Path, model: str = "tiny-v4", po
         wait_routing(proc, url, log, ROUTER_READY_S, model)
         yield url
     finally:
-        _stop_group(proc, 10.0)
+        stop_group(proc, 10.0)
         if proc in host.processes:
             host.processes.remove(proc)
