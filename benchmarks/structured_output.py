@@ -29,10 +29,19 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from common import add_json_flag, emit_json
 
+from deepinfer.chat.tool_grammar import tool_call_constraint
 from deepinfer.registry import load_part
 from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from deepinfer.structured_output import GrammarCompilerCache, RequestGrammar, allocate_bitmask, fill_batch_bitmask
 from deepinfer_interfaces.kernels import Kernels, unpack_bitmask
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}}, "required": ["ids"]}}},
+]
 
 CONSTRAINTS: dict[str, StructuredOutputsParams] = {
     "json-object": StructuredOutputsParams(
@@ -69,6 +78,8 @@ CONSTRAINTS: dict[str, StructuredOutputsParams] = {
     "any-json-object": StructuredOutputsParams(json_object=True),
     "regex": StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8}( [A-Z][a-z]{2,8}){0,3}, \d{1,3} years"),
     "choice": StructuredOutputsParams(choice=["positive", "negative", "neutral", "mixed feelings"]),
+    # forced tool calls (tool_choice "required", parallel): the structural tags of deepinfer.chat.tool_grammar
+    **{f"tool-calls-{fmt}": tool_call_constraint(fmt, TOOLS, "required", True) for fmt in ("hermes", "deepseek_v4")},
 }
 
 

@@ -30,8 +30,10 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         parts = ", ".join(f"{k}={v}" for k, v in s.parts.items())
         print(f"{s.name:<10} {state}")
         if parts:
-            print(f"{'':<10} parts: {parts}; interface {s.interface_version}; package {s.package}")
+            print(f"{'':<10} parts: {parts}; interface {s.interface_version} (deepinfer {s.as_dict()['engine_interface_version']}); package {s.package}")
             print(f"{'':<10} own kernels: {', '.join(s.overrides) if s.overrides else 'none (reference everywhere)'}")
+            if s.routed_to_reference:
+                print(f"{'':<10} newer features on the reference: {', '.join(s.routed_to_reference)}")
             kernel_set = kernel_sets.get(s.parts["kernels"])
             paths = getattr(kernel_set.obj, "paths", None) if kernel_set else None
             if callable(paths):  # a kernel set that says how each op runs (e.g. torch_npu fused op or Triton)
@@ -166,12 +168,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .serve.server import ServeOptions, api_key_from_env, serve
+    import logging
+
+    from .serve.engine_launch import launch_engine
 
     _log_to_stderr()
     config = load_config({"model": args.model, **engine_overrides(args)}, args.config)
     if args.max_queued_requests < 1 or args.shutdown_timeout < 0 or args.max_request_bytes < 1:
         raise ConfigError("--max-queued-requests and --max-request-bytes must be at least 1, --shutdown-timeout at least 0")
+    launched = None
+    if args.disaggregation_mode == "both" and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        # the engine process starts loading now, beside this process's imports of the server (torch, the web stack)
+        launched = launch_engine(config.model_dump_json(), logging.getLogger("deepinfer").isEnabledFor(logging.INFO))
+    from .serve.server import ServeOptions, api_key_from_env, serve
+
     options = ServeOptions(
         host=args.host, port=args.port, advertise_host=args.advertise_host, api_key=api_key_from_env(args.api_key), served_model_names=args.served_model_name,
         chat_template=args.chat_template, max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
@@ -181,7 +191,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         disaggregation_bootstrap_port=args.disaggregation_bootstrap_port, kv_transfer_timeout=args.kv_transfer_timeout,
         kv_load_failure_policy=args.kv_load_failure_policy, docs=not args.disable_docs,
     )
-    return serve(config, options)
+    return serve(config, options, launched)
 
 
 def _size(n: int) -> str:
@@ -250,7 +260,21 @@ def _log_to_stderr() -> None:
     log.setLevel(logging.INFO)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen_command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (None when it names none): the first word after the global options."""
+    words = iter(argv)
+    for word in words:
+        if word == "--config":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; ``command`` given, the subcommands that import torch to state their options
+    (``kv-store``, ``conformance``) state them only when chosen, so ``serve`` starts its engine process
+    before this process pays for torch."""
     parser = argparse.ArgumentParser(prog="deepinfer", description="Offline DeepSeek-V4 inference on pluggable hardware backends")
     parser.add_argument("--config", default=None, help="YAML or JSON file of EngineConfig fields")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -326,20 +350,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("kv-store", help="what a KV store directory holds (stats), and trimming it by retention class (prune)")
-    from .kv_store.cli import add_arguments as add_store_arguments
+    if command in (None, "kv-store"):
+        from .kv_store.cli import add_arguments as add_store_arguments
 
-    add_store_arguments(p)
+        add_store_arguments(p)
 
     p = sub.add_parser("conformance", help="check a backend against the reference")
-    from deepinfer_conformance.cli import add_arguments
+    if command in (None, "conformance"):
+        from deepinfer_conformance.cli import add_arguments
 
-    add_arguments(p)
+        add_arguments(p)
     p.set_defaults(func=_cmd_conformance)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(_chosen_command(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -56,7 +56,14 @@ class EngineConfig(BaseModel):
     max_logprobs: int = Field(20, ge=0, description="most top log-probabilities per position a request may ask for (logprobs, top_logprobs, prompt_logprobs)")
     block_size: int = Field(16, gt=0)
     enable_prefix_caching: bool = True
-    swa_replay: Literal["bounded", "exact"] = "bounded"
+    swa_replay: Literal["bounded", "exact"] = Field(
+        "bounded", description="after a prefix hit, bounded: replay the last sliding window (approximate, fixed cost); exact: "
+        "replay its receptive field through every layer, so the state equals a full prefill's (default under deterministic)"
+    )
+    deterministic: bool = Field(
+        False, description="a request's tokens and logprobs depend on its prompt, parameters and seed alone: batch-invariant "
+        "kernels, exact prefix replay; not its neighbours, the load, chunking, speculation, preemption, EP or PD"
+    )
     prefill_fast_path: bool = Field(
         True, description="a prompt's layers past the last KV-sharing one (DeepSeek V4.1) compute only its last windows"
     )
@@ -100,6 +107,21 @@ class EngineConfig(BaseModel):
     )
     allow_remote_images: bool = Field(False, description="fetch http(s) image URLs; off: images come as data URIs, local files, bytes or PIL images")
     image_fetch_timeout_s: float = Field(10.0, gt=0, description="seconds one remote image fetch may take (with allow_remote_images)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deterministic_replay(cls, data: Any) -> Any:
+        """Deterministic mode replays prefix hits exactly (a bounded replay's state differs from a full prefill's)
+        and keeps its expert placement (a re-placement follows the load of other requests)."""
+        if not isinstance(data, dict) or not data.get("deterministic"):
+            return data
+        if data.get("swa_replay", "exact") != "exact":
+            raise ValueError(f"deterministic mode needs swa_replay='exact' (got {data['swa_replay']!r}): a bounded replay after a "
+                             "prefix hit is approximate; drop swa_replay or set it to exact")
+        if int(data.get("eplb_interval") or 0) > 0:
+            raise ValueError(f"deterministic mode cannot re-place experts from measured load (eplb_interval={data['eplb_interval']}): "
+                             "the other requests' load would decide which ranks sum a token's experts; set eplb_interval=0")
+        return {**data, "swa_replay": "exact"}
 
     @field_validator("speculative_method", mode="before")
     @classmethod

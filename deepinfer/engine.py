@@ -34,6 +34,7 @@ from .loader import load_tokenizer, read_config, read_generation_config
 from .models.common.config import ModelConfig
 from .model_runner import ModelRunner
 from .multimodal import ImageSpan
+from .output_deltas import OutputDelta, SentSoFar
 from .outputs import CompletionOutput, RequestOutput
 from .prompts import PromptReader
 from .registry import SelectedBackend, select_backend
@@ -68,7 +69,9 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_model_len: int,
     the request field a server names)."""
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty; give at least one token", param)
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    bad = None
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:  # two C-speed passes; the offender is looked for only then
+        bad = next(t for t in prompt_ids if not 0 <= t < vocab_size)
     if bad is not None:
         raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size}); fix the token ids", param)
     if len(prompt_ids) >= max_model_len:
@@ -141,6 +144,8 @@ class Engine:
         b = self.backend
         settings = dict(backend=b.name, kernels=b.kernels_name, interpret=b.interpret, quantization=self.config.quantization,
                         interface=INTERFACE_VERSION)
+        if self.config.deterministic:  # batch-invariant kernels round differently: their blocks are their own
+            settings["batch_invariant"] = True
         return open_store(self.config, model_dir, settings, cache.dtype, cache.formats.as_dict(), parts, cache.block_size)
 
     def close(self) -> None:
@@ -249,8 +254,9 @@ class Engine:
             ]
             for child in children:
                 child.siblings = children
-                if params.structured_outputs is not None:
-                    self.structured.add(child.request_id, params.structured_outputs)
+                if params.structured_outputs is not None or params.thinking_budget is not None:
+                    self.structured.add(child.request_id, params.structured_outputs, thinking_budget=params.thinking_budget,
+                                        prompt_ids=read.token_ids)
                 child.eos_token_id = next(iter(self.eos_token_ids), None)
                 child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                 child.max_total_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
@@ -267,8 +273,11 @@ class Engine:
         req.hold_kv = hold_kv
         if prefilled is not None:
             try:
-                for token in prefilled.output_token_ids:
+                rows = prefilled.output_logprobs if params.logprobs is not None else None
+                for i, token in enumerate(prefilled.output_token_ids):
                     if not req.finished:
+                        if rows is not None and i < len(rows):  # the prefill side's, so positions line up with tokens
+                            req.logprobs.extend(to_logprobs([rows[i]], self._decode_one))
                         self._append(req, token)
             except Exception as exc:  # noqa: BLE001 - as in ``_apply``: the request fails alone
                 log.exception("taking the prefilled tokens of request %s failed", request_id)
@@ -311,7 +320,8 @@ class Engine:
             raise InvalidRequestError(f"request {request_id!r} holds no cache to export (unknown, running, or already released)")
         slot, table = held
         state = self.executor.call(read, slot, table, len(req.prompt_token_ids)).result()
-        return PrefilledRequest(state, req.output_token_ids.tolist())
+        logprobs = [{t: (lp.logprob, lp.rank) for t, lp in row.items()} for row in req.logprobs] if req.params.logprobs is not None else None
+        return PrefilledRequest(state, req.output_token_ids.tolist(), logprobs)
 
     def release_prefilled(self, request_id: str) -> None:
         """Free the cache a ``hold_kv`` request kept (its blocks stay in the prefix cache)."""
@@ -398,6 +408,10 @@ class Engine:
             self.drafts.pass_made(list(result.drafts.values()))
             changed.extend(self._apply(done, result))
             applied.append((done, result))
+            # the runner's own time for an eager step bounds its start-up profiles, which time eager forwards (a
+            # step's wall can hide a forward that ran between two calls; a graph replay is another cost)
+            self.runner.observe_step(0 if result.graph else done.num_tokens, result.forward_seconds - result.draft_seconds,
+                                     len(result.drafts), result.draft_seconds)
             for pending, _ in self._inflight:
                 self.structured.fill(pending, self._draft_tokens)  # the device waits for these before sampling
         if not self.has_unfinished:
@@ -529,15 +543,12 @@ class Engine:
             for r in req.siblings
         ]
         first = req.siblings[0]
-        prompt_lps = None
-        if first.params.prompt_logprobs is not None and first.prompt_logprobs:
-            prompt_lps = list(first.prompt_logprobs)
         errors = [r.error for r in req.siblings if r.error]
         return RequestOutput(
             request_id=first.request_id,
             prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids.tolist() if prompt_ids else [],
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=self._prompt_logprobs(first),
             outputs=completions,
             finished=req.all_finished,
             metrics=first.metrics,
@@ -545,3 +556,23 @@ class Engine:
             num_cached_tokens=first.num_cached_tokens,
             internal_error=any(r.internal_error for r in req.siblings),
         )
+
+    def delta(self, req: Request, sent: SentSoFar) -> OutputDelta:
+        """What ``req``'s prompt gained since ``sent`` (advanced past it), cut straight from its completions: the
+        new token ids, text and log-probabilities only, the prompt's ids and timings with the finishing delta."""
+        first = req.siblings[0]
+        completions = [
+            sent.cut(k, r.index, r.output_text, r.output_token_ids, r.logprobs if r.params.logprobs is not None else None,
+                     r.finish_reason, r.stop_reason)
+            for k, r in enumerate(req.siblings)
+        ]
+        error = next((r.error for r in req.siblings if r.error), None)
+        delta = OutputDelta(first.request_id, completions, req.all_finished, error, first.num_cached_tokens,
+                            server_error=any(r.internal_error for r in req.siblings))
+        if delta.finished:
+            delta.add_finish(first.prompt_token_ids.tolist(), self._prompt_logprobs(first), first.metrics)
+        return delta
+
+    @staticmethod
+    def _prompt_logprobs(first: Request) -> list | None:
+        return list(first.prompt_logprobs) if first.params.prompt_logprobs is not None and first.prompt_logprobs else None

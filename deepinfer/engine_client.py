@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from .config import EngineConfig
 from .kv_transfer.sequence_state import PrefilledRequest
 from .models.common.config import ModelConfig
+from .output_deltas import OutputDelta, SentSoFar
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .stats import EngineLoad
@@ -86,6 +87,11 @@ class EngineClient(Protocol[Handle]):
     def output(self, req: Handle, prompt_ids: bool = True) -> RequestOutput:
         """A snapshot of the output so far of ``req``'s prompt (``prompt_ids`` False: it may leave the
         prompt's ids out)."""
+        ...
+
+    def delta(self, req: Handle, sent: SentSoFar) -> OutputDelta:
+        """What ``req``'s prompt gained since ``sent`` (which it advances): new tokens, text, log-probabilities,
+        the finish; the work is proportional to what is new."""
         ...
 
     def abort(self, request_id: str) -> None: ...

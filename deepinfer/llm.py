@@ -8,6 +8,7 @@ from tokenizers import Tokenizer
 
 from .chat import ChatFormat, ChatPrompt, Conversation, chat_format_for, format_chat
 from .chat.messages import is_single_conversation
+from .chat.tool_grammar import tool_call_constraint, tool_call_format
 from .config import load_config
 from .engine import resolve_model_dir
 from .engine_client import EngineClient
@@ -16,7 +17,7 @@ from .outputs import RequestOutput
 from .prompts import image_placeholder
 from .ranks.engines import make_engine
 from .request_limits import RequestLimits, check_at_most
-from .sampling_params import SamplingParams
+from .sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 #: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}, either with
 #: "multi_modal_data": {"image": an image or a list} (PIL images, bytes, data URIs, file paths)
@@ -125,6 +126,8 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
         """Reply to one conversation, or to each of a list of them, like vLLM's ``LLM.chat``.
 
@@ -139,11 +142,19 @@ class LLM:
         model's image placeholder and the images go with the prompt; a bad image
         fails its own conversation's output. A malformed conversation, or a model
         with no chat format, raises ``ChatFormatError`` (one line).
+
+        ``tool_choice`` ``"required"`` or ``{"type": "function", "function": {"name": ...}}`` makes each
+        reply tool calls (one, or several with ``parallel_tool_calls``) in the chat format's syntax, with
+        arguments matching their tool's schema, as the server does; ``"auto"`` / ``"none"`` constrain nothing.
+        A bad ``tool_choice`` raises ``InvalidRequestError``.
         """
         prompts = self.format_chat(
             messages, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, thinking=thinking,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tools=tools,
         )
+        forced = tool_call_constraint(tool_call_format(self._chat_format(chat_template)), tools, tool_choice, parallel_tool_calls)
+        if forced is not None:
+            sampling_params = _with_constraint(sampling_params, forced)
         outputs = self.generate([p.engine_prompt() for p in prompts], sampling_params, use_tqdm)
         for out, prompt in zip(outputs, prompts):
             out.prompt = prompt.text
@@ -197,6 +208,20 @@ class LLM:
         if chat_template is None:
             self._default_chat_format = fmt
         return fmt
+
+
+def _with_constraint(params: Params | Sequence[Params] | None, constraint: StructuredOutputsParams) -> Params | list[Params]:
+    """``params`` (one, or one per prompt) constrained by a forced tool call's grammar."""
+    if params is not None and not isinstance(params, (SamplingParams, Mapping)):
+        return [_with_constraint(p, constraint) for p in params]  # type: ignore[misc]
+    given = params.structured_outputs if isinstance(params, SamplingParams) else (params or {}).get("structured_outputs")
+    if given is not None:
+        raise InvalidRequestError(
+            "tool_choice forces a tool call, which cannot be combined with structured_outputs; drop one of them", "tool_choice"
+        )
+    if isinstance(params, SamplingParams):
+        return params.model_copy(update={"structured_outputs": constraint})
+    return {**(params or {}), "structured_outputs": constraint}
 
 
 class _Progress:

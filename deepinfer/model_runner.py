@@ -24,6 +24,7 @@ import torch
 
 from .config import EngineConfig
 from .decode_graphs import DecodeGraph, DecodeGraphs, default_capture_sizes
+from .deterministic import enable_batch_invariance
 from .encoder_cache import EncoderCache
 from .errors import ConfigError
 from .expert_parallel.lockstep import StepDispatch, StepKind
@@ -42,7 +43,7 @@ from .spec_decode.inflight import StepOutcomes, verified_counts
 from .stats import EngineStats
 from .step import SampledToken, ScheduledSequence, Step, StepResult
 from .models.registry import load_model
-from .profile_cache import ProfileCache, model_fingerprint
+from .profile_cache import OnlineBound, ProfileCache, model_fingerprint
 from .version import package_version
 
 log = logging.getLogger("deepinfer")
@@ -145,6 +146,8 @@ class ModelRunner:
         self.quantization = cfg.quantization
         self.device = selected.device
         self.kernels = selected.kernels
+        if cfg.deterministic:
+            enable_batch_invariance(selected)
         self.torch_device = self.device.torch_device
         self.dtype = self._dtype(cfg.dtype)
         self.stats = stats if stats is not None else EngineStats()
@@ -169,6 +172,9 @@ class ModelRunner:
         self.max_batched_tokens = cfg.max_num_batched_tokens
         self._profile: StepCostProfile | None = None
         self._draft_profile: StepCostProfile | None = None
+        #: the profiles checked against the steps and draft passes the engine runs (set once each is known)
+        self._step_bound: OnlineBound | None = None
+        self._draft_bound: OnlineBound | None = None
         self.geometry = CacheGeometry.build(
             self.config, block_size_for(self.config, cfg.block_size), self.max_step_tokens, self.max_model_len, cfg.kv_cache_dtype
         )
@@ -252,6 +258,7 @@ class ModelRunner:
         cached = _PROFILES.get(key) if key is not None else None
         if cached is not None:
             self._profile = cached
+            self._step_bound = OnlineBound("step-cost profile", cached, key, _PROFILES)
             return cached
         empty = Batch((), (), (), ())
         times: list[float] = []
@@ -275,6 +282,7 @@ class ModelRunner:
         if self.sharding is not None:
             self.sharding.counters = counters  # the profile's dispatches are not serving traffic
         self._profile = StepCostProfile.monotone(counts, times)
+        self._step_bound = OnlineBound("step-cost profile", self._profile, key, _PROFILES)
         if key is not None:
             _PROFILES.put(key, self._profile)
         log.info("step-cost profile: " + ", ".join(f"{t} tokens {1e3 * s:.2f} ms" for t, s in zip(counts, self._profile.seconds)))
@@ -293,6 +301,7 @@ class ModelRunner:
         cached = _PROFILES.get(key) if key is not None else None
         if cached is not None:
             self._draft_profile = cached
+            self._draft_bound = OnlineBound("draft-cost profile", cached, key, _PROFILES)
             return cached
         times: list[float] = []
         for n in counts:
@@ -307,10 +316,20 @@ class ModelRunner:
                 best = min(best, time.perf_counter() - t0)
             times.append(max(best, 1e-9))
         self._draft_profile = StepCostProfile.monotone(counts, times)
+        self._draft_bound = OnlineBound("draft-cost profile", self._draft_profile, key, _PROFILES)
         if key is not None:
             _PROFILES.put(key, self._draft_profile)
         log.info("draft-cost profile: " + ", ".join(f"{n} requests {1e3 * s:.2f} ms" for n, s in zip(counts, self._draft_profile.seconds)))
         return self._draft_profile
+
+    def observe_step(self, tokens: int, seconds: float, drafters: int = 0, draft_seconds: float = 0.0) -> None:
+        """A step the engine ran (``tokens`` computed eagerly in ``seconds``; 0: a graph replay, not compared;
+        without its draft pass: ``drafters`` requests in ``draft_seconds``): the start-up profiles are checked
+        against it, and lowered where they were timed too slow."""
+        if self._step_bound is not None and (fixed := self._step_bound.observe(tokens, seconds)) is not None:
+            self._profile = fixed
+        if drafters and self._draft_bound is not None and (fixed := self._draft_bound.observe(drafters, draft_seconds)) is not None:
+            self._draft_profile = fixed
 
     def _profile_key(self, kind: str, counts: list[int]) -> tuple | None:
         """What a start-up profile of ``kind`` at ``counts`` depends on; None under expert parallelism (every
@@ -318,8 +337,8 @@ class ModelRunner:
         if self.sharding is not None:
             return None
         s = self.selected
-        return (kind, tuple(counts), model_fingerprint(self.model_dir), s.name, s.kernels_name, s.interpret, str(self.dtype),
-                self.device.describe(), self.plan.num_slots, self.max_model_len, self.quantization, torch.get_num_threads(),
+        return (kind, tuple(counts), model_fingerprint(self.model_dir), s.name, s.kernels_name, s.kernels.batch_invariant, s.interpret,
+                str(self.dtype), self.device.describe(), self.plan.num_slots, self.max_model_len, self.quantization, torch.get_num_threads(),
                 package_version(), torch.__version__)
 
     def graph_shape(self, num_seqs: int, verify: bool) -> int | None:

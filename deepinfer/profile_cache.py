@@ -8,13 +8,20 @@ kept in memory for this process and as one JSON file each under ``$DEEPINFER_CAC
 everything that shapes them: the kind and sizes measured, the model (its directory and its files' sizes
 and times), backend, kernels, dtype, device, slots, context, threads, and the versions of deepinfer and
 torch. A cache that cannot be read or written is passed over: the profile is measured as before.
+
+A profile timed while the machine was busy is too slow, and a cache would keep it so. ``OnlineBound``
+checks a profile against the steps the engine then runs: a step of ``t`` tokens that took ``s`` seconds
+bounds the cost of every size up to ``t``; where the profile is well above those bounds it is lowered to
+them, in this process and in the cache, so the next start begins from the corrected prior.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -87,3 +94,58 @@ class ProfileCache:
             os.replace(f.name, path)
         except OSError as exc:
             log.debug("the cost profile could not be kept in %s: %s", path.parent, exc)
+
+
+#: steps observed between two checks of a profile against them
+CHECK_EVERY = 32
+#: a profile point more than this many times the engine's observed bound there is corrected
+DISAGREE = 1.25
+
+
+class OnlineBound:
+    """A start-up profile checked against observed steps (or draft passes) of its kind. Costs grow with size,
+    so an observed ``(tokens, seconds)`` bounds the profile at every point up to ``tokens`` (the observed time
+    also holds the host's work, so it never bounds too low). Every ``CHECK_EVERY`` observations, points above
+    ``DISAGREE`` times their bound are lowered to it and the corrected profile replaces the cached one. A
+    step slower than the profile raises nothing: that is the machine's load now, which the live costs follow."""
+
+    def __init__(self, what: str, profile: StepCostProfile, key: tuple | None, cache: ProfileCache) -> None:
+        self.what = what
+        self.profile = profile
+        self.key = key
+        self.cache = cache
+        #: the fastest observation at each profile point's size or above, kept at the largest point it covers
+        self._fastest = [math.inf] * len(profile.tokens)
+        self._seen = 0
+        self.corrections = 0
+
+    def observe(self, tokens: int, seconds: float) -> StepCostProfile | None:
+        """One observation; the corrected profile when this one's check lowered it, else None."""
+        if tokens < 1 or not math.isfinite(seconds) or seconds <= 0:
+            return None
+        i = bisect.bisect_right(self.profile.tokens, tokens) - 1
+        if i >= 0 and seconds < self._fastest[i]:
+            self._fastest[i] = seconds
+        self._seen += 1
+        return self._check() if self._seen % CHECK_EVERY == 0 else None
+
+    def bounds(self) -> list[float]:
+        """Per profile point: the fastest observation at its size or above (inf: none yet)."""
+        out, best = [], math.inf
+        for fastest in reversed(self._fastest):
+            best = min(best, fastest)
+            out.append(best)
+        return out[::-1]
+
+    def _check(self) -> StepCostProfile | None:
+        bounds = self.bounds()
+        if not any(s > DISAGREE * b for s, b in zip(self.profile.seconds, bounds)):
+            return None
+        old = self.profile
+        self.profile = StepCostProfile.monotone(old.tokens, [min(s, b) for s, b in zip(old.seconds, bounds)])
+        self.corrections += 1
+        if self.key is not None:
+            self.cache.put(self.key, self.profile)
+        log.info("%s corrected from the steps observed (it was timed on a busier machine): %s", self.what,
+                 ", ".join(f"{t}: {1e3 * a:.2f} -> {1e3 * b:.2f} ms" for t, a, b in zip(old.tokens, old.seconds, self.profile.seconds) if b < a))
+        return self.profile

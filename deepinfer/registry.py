@@ -7,19 +7,24 @@ fails to import is recorded with its error; the others still load.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from importlib import metadata
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from stevedore import ExtensionManager
 
 from deepinfer_interfaces import INTERFACE_VERSION, Backend, Communicator, Device, Kernels
 from deepinfer_interfaces.errors import first_line
-from deepinfer_interfaces.version import major
+from deepinfer_interfaces.features import Feature, oldest_supported
+from deepinfer_interfaces.version import declared_version, major_minor
+from deepinfer_interfaces.versioned import device_features, unknown_extra_features, versioned_device, versioned_kernels
 
 from .errors import PluginError
+
+log = logging.getLogger("deepinfer")
 
 GROUPS = {
     "backends": "deepinfer.backends",
@@ -91,6 +96,9 @@ class BackendStatus:
     interface_version: str | None = None
     package: str | None = None
     priority: int = 0
+    #: features newer than its kernel set (ops) or bundle (device methods) declares, which keep the reference's
+    #: behaviour, as ``"name (since)"``
+    routed_to_reference: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -100,28 +108,52 @@ class BackendStatus:
             "parts": self.parts,
             "overrides": self.overrides,
             "interface_version": self.interface_version,
+            "engine_interface_version": INTERFACE_VERSION,
+            "routed_to_reference": self.routed_to_reference,
             "package": self.package,
         }
 
 
-def _version_problem(version: str | None) -> str | None:
+def _version_problem(version: str | None, cls: type | None = None) -> str | None:
+    """Why a plugin declaring ``version`` cannot run with this engine, or None."""
+    if version is None:
+        where = f" to class {cls.__module__}.{cls.__qualname__}" if cls is not None else ""
+        return (f"declares no interface_version: add interface_version = \"{INTERFACE_VERSION}\"{where} "
+                "(the contract version it was written for; it is not inherited)")
     try:
-        if major(version or "") == major(INTERFACE_VERSION):
-            return None
-    except ValueError:
-        pass
-    return f"interface version {version} is incompatible with deepinfer's {INTERFACE_VERSION} (major versions must match; upgrade the plugin)"
+        declared, engine = major_minor(version), major_minor(INTERFACE_VERSION)
+    except ValueError as exc:
+        return f"{exc} (declare e.g. interface_version = \"{INTERFACE_VERSION}\")"
+    if declared[0] != engine[0]:
+        return (f"interface version {version} is incompatible with deepinfer's {INTERFACE_VERSION} "
+                f"(major versions must match; deepinfer honours {oldest_supported(INTERFACE_VERSION)} and later; upgrade the plugin)")
+    if declared > engine:
+        return f"interface version {version} is newer than deepinfer's {INTERFACE_VERSION} (upgrade deepinfer)"
+    unknown = unknown_extra_features(cls) if cls is not None else []
+    if unknown:
+        return f"extra_features names unknown feature '{unknown[0]}' (features of {INTERFACE_VERSION}: see deepinfer_interfaces.features)"
+    return None
 
 
-def kernel_overrides(kernels_name: str) -> tuple[list[str], str | None]:
-    """The ops a kernel set implements itself, or the reason it cannot be loaded."""
+def describe_features(features: Iterable[Feature]) -> list[str]:
+    """``"name (since)"`` for each feature, oldest first."""
+    return [f"{f.name} ({f.since})" for f in sorted(features, key=lambda f: major_minor(f.since))]
+
+
+def kernel_overrides(kernels_name: str) -> tuple[list[str], str | None, tuple[Feature, ...]]:
+    """The ops a kernel set implements itself as the engine calls it, the reason it cannot be loaded (else None),
+    and the newer features it leaves to the reference."""
     plugins = discover("kernels")
     plugin = plugins.get(kernels_name)
     if plugin is None:
-        return [], f"kernel set '{kernels_name}' is not installed"
+        return [], f"kernel set '{kernels_name}' is not installed", ()
     if plugin.error:
-        return [], f"kernel set '{kernels_name}' failed to import: {plugin.error}"
-    return plugin.obj.overrides(), None
+        return [], f"kernel set '{kernels_name}' failed to import: {plugin.error}", ()
+    problem = _version_problem(declared_version(plugin.obj, Kernels), plugin.obj)
+    if problem:
+        return plugin.obj.overrides(), f"kernel set '{kernels_name}' {problem}", ()
+    versioned = versioned_kernels(plugin.obj)
+    return versioned.overrides(), None, versioned.routed_features
 
 
 def backend_status(plugin: Plugin) -> BackendStatus:
@@ -130,11 +162,13 @@ def backend_status(plugin: Plugin) -> BackendStatus:
         return BackendStatus(plugin.name, False, f"plugin failed to import: {plugin.error}", package=plugin.package)
     cls: type[Backend] = plugin.obj
     parts = {"device": cls.device, "communicator": cls.communicator, "kernels": cls.kernels}
-    overrides, kernel_problem = kernel_overrides(cls.kernels)
-    status = BackendStatus(
-        plugin.name, False, None, parts, overrides, cls.interface_version, plugin.package, cls.priority
-    )
-    status.reason = _version_problem(cls.interface_version) or kernel_problem
+    overrides, kernel_problem, routed = kernel_overrides(cls.kernels)
+    version = declared_version(cls, Backend)
+    status = BackendStatus(plugin.name, False, None, parts, overrides, version, plugin.package, cls.priority)
+    problem = _version_problem(version, cls)
+    status.reason = (f"backend plugin '{plugin.name}' {problem}" if problem else None) or kernel_problem
+    if problem is None:
+        status.routed_to_reference = describe_features((*routed, *device_features(version, tuple(cls.extra_features))))
     if status.reason is None:
         try:
             ok, reason = cls.is_available()
@@ -205,7 +239,8 @@ def select_backend(name: str = "auto", kernels: str | None = None, interpret: bo
         status = by_name[name]
     if not status.parts:
         raise PluginError(f"backend '{status.name}' is unavailable: {status.reason}")
-    version_problem = _version_problem(status.interface_version)
+    backend_cls = load_part("backends", status.name)
+    version_problem = _version_problem(status.interface_version, backend_cls)
     if version_problem:
         raise PluginError(f"backend '{status.name}' refused: {version_problem}")
     if interpret:
@@ -214,11 +249,23 @@ def select_backend(name: str = "auto", kernels: str | None = None, interpret: bo
         raise PluginError(f"backend '{status.name}' is unavailable: {status.reason}")
     kernels_name = kernels or status.parts["kernels"]
     device_name = "cpu" if interpret else status.parts["device"]
-    device = load_part("devices", device_name)()
+    device_cls = load_part("devices", device_name)
+    device_routed: tuple[Feature, ...] = ()
+    if not interpret:
+        device_routed = device_features(status.interface_version, tuple(backend_cls.extra_features))
+        device_cls = versioned_device(device_cls, status.interface_version, tuple(backend_cls.extra_features))
+    device = device_cls()
     kernel_cls = load_part("kernels", kernels_name)
-    kernel_version = getattr(kernel_cls, "interface_version", INTERFACE_VERSION)
-    if _version_problem(kernel_version):
-        raise PluginError(f"kernel set '{kernels_name}' refused: {_version_problem(kernel_version)}")
+    kernel_problem = _version_problem(declared_version(kernel_cls, Kernels), kernel_cls)
+    if kernel_problem:
+        raise PluginError(f"kernel set '{kernels_name}' refused: {kernel_problem}")
+    kernel_cls = versioned_kernels(kernel_cls)
+    if kernel_cls.routed_features or device_routed:
+        log.info(
+            "backend '%s' (contract %s) with kernel set '%s' (contract %s) on deepinfer %s: the reference runs %s",
+            status.name, status.interface_version, kernels_name, declared_version(kernel_cls, Kernels), INTERFACE_VERSION,
+            ", ".join(describe_features((*kernel_cls.routed_features, *device_routed))),
+        )
     return SelectedBackend(
         name=status.name,
         device=device,

@@ -51,20 +51,28 @@ class _Validated(BaseModel):
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """One output constraint: a JSON schema, any JSON object, a regex, an EBNF grammar or a choice."""
+    """One output constraint: a JSON schema, any JSON object, a regex, an EBNF grammar, a choice or an
+    xgrammar structural tag (``{"type": "structural_tag", "format": ...}``).
+
+    ``after_reasoning``: the constraint starts where the reply's reasoning ends (``</think>``), leaving the
+    reasoning free, as the forced tool calls of ``deepinfer.chat.tool_grammar`` want; by default it
+    constrains the whole output."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    structural_tag: dict | str | None = None
+    after_reasoning: bool = False
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "grammar", "choice") if getattr(self, k) is not None]
+        given = [k for k in ("json", "regex", "grammar", "choice", "structural_tag") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise InvalidRequestError(
-                f"structured output: give exactly one of json, json_object, regex, grammar, choice (got {', '.join(given) or 'none'})"
+                "structured output: give exactly one of json, json_object, regex, grammar, choice, structural_tag "
+                f"(got {', '.join(given) or 'none'})"
             )
         if self.choice is not None and not self.choice:
             raise InvalidRequestError("structured output: choice needs at least one option")
@@ -89,6 +97,10 @@ class SamplingParams(_Validated):
     prompt_logprobs: int | None = Field(None, ge=0, description="top log-probabilities per prompt token (at most the engine's max_logprobs)")
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_budget: int | None = Field(
+        None, ge=0, le=INT32_MAX,
+        description="reasoning tokens after which the engine closes the reasoning (writes </think>) and the answer follows",
+    )
     cache_class: str | None = Field(None, description="retention class of the KV store this request's prefix is kept under (None: the default class)")
 
     @field_validator("stop", mode="before")

@@ -1,7 +1,8 @@
 """``deepinfer conformance``: run the suites on a backend and write the reports, or bisect an e2e failure.
 
-``--suite`` defaults to ``ops`` (about a second on the CPU); ``--suite all``
-is the full check (``ops,comm,e2e``); ``--suite e2e`` runs every e2e case
+``--suite`` defaults to ``ops,invariance`` (op parity, then each op's
+batch-invariance cases: ``invariance.py``); ``--suite all`` is the full
+check (``ops,invariance,comm,e2e``); ``--suite e2e`` runs every e2e case
 unless ``--e2e-cases`` names some. ``--bisect`` runs e2e only and names the
 kernel set's ops whose own implementation makes it fail (``bisect.py``).
 """
@@ -11,15 +12,17 @@ from __future__ import annotations
 import argparse
 
 from deepinfer.registry import select_backend
+from deepinfer_interfaces import Kernels
+from deepinfer_interfaces.version import declared_version
 
 from .comm import run_comm
 from .e2e import CASES, make_run, resolve_dtype
 from .ops import INTERPRET_MAX_ELEMENTS, dtype_name, run_ops
 from .report import build_report, failed, summary_table, write_json, write_junit
 
-SUITES = ("ops", "comm", "e2e")
+SUITES = ("ops", "invariance", "comm", "e2e")
 #: what ``--suite`` runs when not given, and what ``--suite all`` stands for
-DEFAULT_SUITES = "ops"
+DEFAULT_SUITES = "ops,invariance"
 ALL_SUITES = ",".join(SUITES)
 
 
@@ -87,6 +90,10 @@ def run(args: argparse.Namespace, backend: str, interpret: bool) -> int:
     results = []
     if "ops" in suites:
         results += run_ops(selected.kernels, selected.device, args.ops, args.interpret_max_elements if interpret else None)
+    if "invariance" in suites:
+        from .invariance import run_invariance_suite
+
+        results += run_invariance_suite(selected.kernels, selected.device, args.ops, args.interpret_max_elements if interpret else None)
     if "comm" in suites:
         results += run_comm(selected.name, args.kernels, interpret, communicator_cls=selected.communicator_cls)
     e2e_settings = None
@@ -96,7 +103,8 @@ def run(args: argparse.Namespace, backend: str, interpret: bool) -> int:
             "model": str(e2e_run.model_dir), "dtype": dtype_name(e2e_run.dtype), "max_new_tokens": e2e_run.max_new_tokens,
             "prompts": dict(e2e_run.prompts), "graphs": e2e_run.graphs,
         }
-    report = build_report(selected.name, selected.kernels_name, results, e2e=e2e_settings)
+    report = build_report(selected.name, selected.kernels_name, results, e2e=e2e_settings,
+                          kernels_interface_version=declared_version(type(selected.kernels), Kernels))
     if args.report:
         write_json(report, args.report)
     if args.junit:

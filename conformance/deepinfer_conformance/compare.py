@@ -49,12 +49,16 @@ def _flatten(out: Any) -> list[torch.Tensor]:
     raise TypeError(f"op returned {type(out).__name__}, expected tensors")
 
 
-def compare(got: Any, expected: Any, tol: Tolerance | None, rms_limit: float | None = None) -> Comparison:
+def compare(
+    got: Any, expected: Any, tol: Tolerance | None, rms_limit: float | None = None, strict: bool = False,
+) -> Comparison:
     """Compare outputs exactly (``tol`` None) or within ``atol + rtol·|expected|``.
 
     Non-finite expected values (masked logits) must be matched exactly in both modes.
     With tolerances, each float output's ``rms_rel_err`` is measured too; above
     ``rms_limit`` (when given) the case fails whatever the per-element bound said.
+    ``strict`` (an accumulation case) fails any element beyond tolerance, with no
+    quality-warning band.
     """
     gots, exps = _flatten(got), _flatten(expected)
     if len(gots) != len(exps):
@@ -96,7 +100,7 @@ def compare(got: Any, expected: Any, tol: Tolerance | None, rms_limit: float | N
         if e.numel() >= RMS_MIN_ELEMENTS:  # a handful of elements says nothing about accumulation
             worst_rms = max(worst_rms or 0.0, rms_rel_err(g, e, tol.atol))
         if bool(out.any()):
-            within_warn = bool(((diff <= WARN_FACTOR * bound) & ~nonfinite_bad).all())
+            within_warn = not strict and bool(((diff <= WARN_FACTOR * bound) & ~nonfinite_bad).all())
             if within_warn and status == "pass":
                 status = "warn"
             elif not within_warn:

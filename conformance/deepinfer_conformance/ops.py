@@ -15,6 +15,8 @@ import torch
 
 from deepinfer_interfaces import Device, Kernels, NotSupportedError, PackedPool, QuantizedWeight
 from deepinfer_interfaces.errors import first_line
+from deepinfer_interfaces.features import Feature
+from deepinfer_interfaces.version import declared_version
 from deepinfer_interfaces.specs import SPECS, OpSpec
 
 from .compare import compare
@@ -89,6 +91,13 @@ def input_elements(kwargs: dict[str, Any]) -> int:
     return total
 
 
+def not_applicable_note(feature: Feature, declared: str | None) -> str:
+    """Why a case of a feature newer than the kernel set's declared version is not checked."""
+    return (f"{feature.name} arrived in contract {feature.since}; this kernel set declares {declared}, so the engine "
+            f"runs the reference for it (declare interface_version {feature.since} or later, or list '{feature.name}' "
+            "in extra_features, to have it checked)")
+
+
 def selected_specs(patterns: list[str] | None) -> list[OpSpec]:
     """Specs whose op name matches any glob in ``patterns`` (all when none given)."""
     pats = patterns or ["*"]
@@ -97,8 +106,10 @@ def selected_specs(patterns: list[str] | None) -> list[OpSpec]:
 
 def run_spec(
     spec: OpSpec, kernels: Kernels, device: Device, reference: Kernels | None = None, max_elements: int | None = None,
+    routed: tuple[Feature, ...] = (), declared: str | None = None,
 ) -> list[CaseResult]:
-    """Every case of ``spec`` in every dtype it lists (``max_elements``: larger cases are not run)."""
+    """Every case of ``spec`` in every dtype it lists (``max_elements``: larger cases are not run; a case using
+    one of the ``routed`` features, newer than the ``declared`` version, is ``not_applicable``)."""
     reference = reference or Kernels()
     supported = set(device.capabilities().dtypes)
     results: list[CaseResult] = []
@@ -113,6 +124,11 @@ def run_spec(
             if case.dtypes is not None and dtype not in case.dtypes:
                 continue
             base = OpCaseResult("ops", spec.op, case.name, dtype_name(dtype), "pass", **tol_fields, rms_limit=rms_limit)
+            newer = next((f for f in routed if f.used_by(spec.op, case.kwargs)), None)
+            if newer is not None:
+                base.status, base.message = "not_applicable", not_applicable_note(newer, declared)
+                results.append(base)
+                continue
             if dtype not in supported:
                 base.status, base.message = "not_supported", f"device does not support {dtype_name(dtype)}"
                 results.append(base)
@@ -145,12 +161,13 @@ def run_spec(
                 results.append(base)
                 continue
             try:
-                cmp = compare(got, expected, tol, rms_limit)
+                cmp = compare(got, expected, tol, rms_limit, strict=case.accumulation)
             except Exception as exc:
                 base.status, base.message = "error", first_line(exc)
                 results.append(base)
                 continue
-            base.status, base.message = cmp.status, "; ".join(m for m in (cmp.message, override) if m)
+            rule = f"accumulation case, no warning band: {spec.accumulation}" if case.accumulation and cmp.status == "fail" else ""
+            base.status, base.message = cmp.status, "; ".join(m for m in (cmp.message, rule, override) if m)
             base.max_abs_err, base.max_rel_err, base.frac_out_of_tol = cmp.max_abs_err, cmp.max_rel_err, cmp.frac_out_of_tol
             base.rms_rel_err = cmp.rms_rel_err
             results.append(base)
@@ -160,10 +177,12 @@ def run_spec(
 def run_ops(
     kernels: Kernels, device: Device, patterns: list[str] | None = None, max_elements: int | None = None,
 ) -> list[CaseResult]:
-    """Op parity over every selected spec, on the kernel set's conformance view."""
+    """Op parity over every selected spec, on the kernel set's conformance view; the cases of features newer
+    than the set declares are ``not_applicable`` (the engine runs the reference for them)."""
+    routed, declared = type(kernels).routed_features, declared_version(type(kernels), Kernels)
     kernels = kernels.for_conformance()
     reference = Kernels()
     out: list[CaseResult] = []
     for spec in selected_specs(patterns):
-        out.extend(run_spec(spec, kernels, device, reference, max_elements))
+        out.extend(run_spec(spec, kernels, device, reference, max_elements, routed, declared))
     return out

@@ -40,9 +40,13 @@ def result_dict(result: CaseResult) -> dict[str, Any]:
     return {**dict.fromkeys(OP_ONLY_FIELDS), **result.as_dict()}
 
 
-def build_report(backend: str, kernels: str, results: list[CaseResult], e2e: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON report (shape: ``report.schema.json``); ``e2e`` records the e2e suite's model, dtype and prompts."""
-    report = {
+def build_report(
+    backend: str, kernels: str, results: list[CaseResult], e2e: dict[str, Any] | None = None,
+    kernels_interface_version: str | None = None,
+) -> dict[str, Any]:
+    """The JSON report (shape: ``report.schema.json``); ``e2e`` records the e2e suite's model, dtype and prompts,
+    ``kernels_interface_version`` the contract version the kernel set declares."""
+    report: dict[str, Any] = {
         "backend": backend,
         "kernels": kernels,
         "reference": "deepinfer_interfaces.Kernels (CPU, fp64/fp32 oracle)",
@@ -52,6 +56,8 @@ def build_report(backend: str, kernels: str, results: list[CaseResult], e2e: dic
     }
     if e2e is not None:
         report["e2e"] = e2e
+    if kernels_interface_version is not None:
+        report["kernels_interface_version"] = kernels_interface_version
     return report
 
 
@@ -61,7 +67,8 @@ def write_json(report: dict[str, Any], path: str) -> None:
 
 
 def write_junit(report: dict[str, Any], path: str) -> None:
-    """One testsuite per suite (ops, comm, e2e); fail/error as failures/errors, not_supported as skipped."""
+    """One testsuite per suite (ops, comm, e2e); fail/error as failures/errors, not_supported and not_applicable
+    as skipped."""
     root = ET.Element("testsuites", name=f"deepinfer-conformance-{report['backend']}")
     by_suite: dict[str, list[dict]] = defaultdict(list)
     for r in report["results"]:
@@ -70,7 +77,7 @@ def write_junit(report: dict[str, Any], path: str) -> None:
         counts = Counter(r["status"] for r in rows)
         el = ET.SubElement(
             root, "testsuite", name=suite, tests=str(len(rows)), failures=str(counts["fail"]),
-            errors=str(counts["error"]), skipped=str(counts["not_supported"]),
+            errors=str(counts["error"]), skipped=str(counts["not_supported"] + counts["not_applicable"]),
         )
         for r in rows:
             tc = ET.SubElement(el, "testcase", classname=f"{suite}.{r['op']}", name=f"{r['case']}[{r['dtype']}]")
@@ -78,7 +85,7 @@ def write_junit(report: dict[str, Any], path: str) -> None:
                 ET.SubElement(tc, "failure", message=r["message"] or "out of tolerance")
             elif r["status"] == "error":
                 ET.SubElement(tc, "error", message=r["message"])
-            elif r["status"] == "not_supported":
+            elif r["status"] in ("not_supported", "not_applicable"):
                 ET.SubElement(tc, "skipped", message=r["message"])
             elif r["status"] == "warn":
                 ET.SubElement(tc, "system-out").text = f"quality warning: {r['message']}"
@@ -94,13 +101,13 @@ def summary_table(report: dict[str, Any]) -> str:
     rows: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in report["results"]:
         rows[(r["suite"], r["op"])].append(r)
-    head = f"{'suite':<6} {'op':<28} {'pass':>5} {'warn':>5} {'fail':>5} {'n/s':>5} {'err':>5} {'max_abs':>9}"
+    head = f"{'suite':<6} {'op':<28} {'pass':>5} {'warn':>5} {'fail':>5} {'n/s':>5} {'err':>5} {'n/a':>5} {'max_abs':>9}"
     lines = [f"conformance: backend={report['backend']} kernels={report['kernels']}", head, "-" * len(head)]
     for (suite, op_name), rs in rows.items():
         c = Counter(r["status"] for r in rs)
         errs = [r["max_abs_err"] for r in rs if r["max_abs_err"] is not None]
         lines.append(
-            f"{suite:<6} {op_name:<28} {c['pass']:>5} {c['warn']:>5} {c['fail']:>5} {c['not_supported']:>5} {c['error']:>5} {_fmt(max(errs) if errs else None):>9}"
+            f"{suite:<6} {op_name:<28} {c['pass']:>5} {c['warn']:>5} {c['fail']:>5} {c['not_supported']:>5} {c['error']:>5} {c['not_applicable']:>5} {_fmt(max(errs) if errs else None):>9}"
         )
     bad = [r for r in report["results"] if r["status"] in FAILING]
     for r in bad[:20]:

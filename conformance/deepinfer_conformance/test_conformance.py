@@ -36,6 +36,7 @@ OP_CASES = [
     for spec in sorted(SPECS.values(), key=lambda s: s.op)
     for dtype in spec.dtypes
     for case in spec.cases()
+    if case.dtypes is None or dtype in case.dtypes
 ]
 COMM_CASES = [(c.op, f"world{w}_{c.name}", c.dtype) for w in WORLD_SIZES for c in comm_cases(w)]
 #: ``(op, case)`` of every e2e result (``e2e.CASES`` per prompt or sampling setting)
@@ -122,6 +123,8 @@ def check(result: CaseResult | None, what: str) -> None:
         pytest.fail(f"{result.status.upper()}: {label}: {result.message or 'out of tolerance'}", pytrace=False)
     if result.status == "not_supported":
         pytest.skip(f"not supported: {result.message}")
+    if result.status == "not_applicable":
+        pytest.skip(f"not applicable: {result.message}")
     if result.status == "warn":
         warnings.warn(ConformanceWarning(f"{label}: {result.message}"), stacklevel=2)
 

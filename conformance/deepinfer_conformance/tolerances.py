@@ -84,6 +84,21 @@ def render() -> str:
     for spec in sorted((s for s in SPECS.values() if s.rms_limits), key=lambda s: s.op):
         cells = " | ".join(f"{spec.rms_limits[d]:g}" if d in spec.rms_limits else "-" for d in (torch.float32, torch.float16, torch.bfloat16))
         lines.append(f"| {spec.op} | {cells} | {spec.rms_reason} |")
+    lines += [
+        "",
+        (
+            "Accumulation rules (an op spec's `accumulation`): these sums stay in fp32 whatever the dtype under test. "
+            "Each rule's cases (named `accumulation_*`, run in bfloat16 and float16) are built so that a sum kept in 16 bits "
+            "misses by many times the tolerance, while one kept in fp32 stays far inside it; there any element beyond "
+            "tolerance fails (no warning band)."
+        ),
+        "",
+        "| op | rule | cases |",
+        "|---|---|---|",
+    ]
+    for spec in sorted((s for s in SPECS.values() if s.accumulation), key=lambda s: s.op):
+        cases = ", ".join(f"`{c.name}`" for c in spec.cases() if c.accumulation)
+        lines.append(f"| {spec.op} | {spec.accumulation} | {cases} |")
     exact = sorted(s.op for s in SPECS.values() if s.exact)
     lines += ["", f"Compared exactly (token ids, masks, cache rows): {', '.join(f'`{o}`' for o in exact)}."]
     lines += [

@@ -56,10 +56,11 @@ class ChatFormat(Protocol):
 
 
 class DeepseekV4Format:
-    """The DeepSeek-V4 encoder; ``kwargs``: ``thinking`` / ``enable_thinking``, ``drop_thinking``, ``reasoning_effort``."""
+    """The DeepSeek-V4 encoder; ``kwargs``: ``thinking`` / ``enable_thinking``, ``drop_thinking``, ``reasoning_effort``,
+    and ``thinking_budget``, which the engine enforces (``SamplingParams.thinking_budget``) and the prompt does not show."""
 
     name = "deepseek_v4"
-    _KWARGS = ("thinking", "enable_thinking", "drop_thinking", "reasoning_effort")
+    _KWARGS = ("thinking", "enable_thinking", "drop_thinking", "reasoning_effort", "thinking_budget")
 
     def render(
         self,

@@ -44,9 +44,14 @@ class ExpertParallel:
     """The ``ExpertSharding`` of one rank: placements, device tables, load counters and weight moves."""
 
     def __init__(
-        self, comm: Communicator, num_layers: int, num_experts: int, top_k: int, device: torch.device, eplb: EPLBSettings
+        self, comm: Communicator, num_layers: int, num_experts: int, top_k: int, device: torch.device, eplb: EPLBSettings,
+        deterministic: bool = False,
     ) -> None:
+        """``deterministic``: every step dispatches in the fixed layout (combine then sums each token's expert
+        outputs in rank order, whatever the backend's fast path) and a token's replica follows its position
+        alone, so its result depends neither on its row in the batch nor on the other ranks' tokens."""
         self.comm = comm
+        self.deterministic = deterministic
         self.rank, self.world = comm.rank, comm.world_size
         self.device = torch.device(device)
         self.top_k = top_k
@@ -82,7 +87,8 @@ class ExpertParallel:
 
     def begin_forward(self, positions: torch.Tensor, live: torch.Tensor) -> None:
         # spread over replicas by row and position: rows of one step differ, and so do one row's steps
-        self._index = positions + torch.arange(positions.shape[0], device=positions.device)
+        # (deterministic: by position alone, so a token's replica does not depend on its row in the batch)
+        self._index = positions if self.deterministic else positions + torch.arange(positions.shape[0], device=positions.device)
         self._live = live
 
     def routed(
@@ -130,6 +136,8 @@ class ExpertParallel:
         self.comm.all_reduce(vote, op="max")
         seqs, tokens, step_kind = (int(v) for v in vote.tolist())
         dispatch = agree(seqs, tokens, StepKind(step_kind), self.capture_sizes, self.capture_drafts)
+        if self.deterministic and dispatch.capacity is None:  # variable splits sum in arrival order on some backends
+            dispatch = StepDispatch(max(tokens, 1))
         self.capacity = dispatch.capacity
         return dispatch
 

@@ -41,7 +41,8 @@ def _unrows(d: dict[str, torch.Tensor]) -> RingRows:
 def encode(prefilled: PrefilledRequest) -> tuple[bytes, Handoff]:
     s = prefilled.state
     tree: dict[str, Any] = {
-        "num_tokens": s.num_tokens, "output_token_ids": list(prefilled.output_token_ids), "storage": s.storage, "blocks": s.blocks,
+        "num_tokens": s.num_tokens, "output_token_ids": list(prefilled.output_token_ids),
+        "output_logprobs": prefilled.output_logprobs, "storage": s.storage, "blocks": s.blocks,
         "window": [_rows(r) for r in s.window],
         "states": [{b: [_rows(kv), _rows(gate)] for b, (kv, gate) in layer.items()} for layer in s.states],
         "history": _rows(s.history) if s.history is not None else None,
@@ -70,7 +71,9 @@ def decode(payload: bytes, expected: Handoff) -> PrefilledRequest:
         [{b: (_unrows(kv), _unrows(gate)) for b, (kv, gate) in layer.items()} for layer in tree["states"]],
         _unrows(tree["history"]) if tree["history"] is not None else None, draft, tree.get("storage"),
     )
-    return PrefilledRequest(state, [int(t) for t in tree["output_token_ids"]])
+    rows = tree.get("output_logprobs")
+    logprobs = None if rows is None else [{int(t): (float(lp), int(rank)) for t, (lp, rank) in row.items()} for row in rows]
+    return PrefilledRequest(state, [int(t) for t in tree["output_token_ids"]], logprobs)
 
 
 __all__ = ["Handoff", "checksum", "decode", "encode"]

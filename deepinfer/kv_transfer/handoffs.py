@@ -131,7 +131,7 @@ class Handoffs:
                 self.connector.register_regions([(t.data_ptr(), t.numel() * t.element_size()) for t in engine.transfer_pools()])
                 self._registered = True
             plan = engine.plan_prefilled(request_id)
-            manifest, meta = handoff.encode(PrefilledRequest(_skeleton(plan.state), plan.output_token_ids))
+            manifest, meta = handoff.encode(PrefilledRequest(_skeleton(plan.state), plan.output_token_ids, plan.output_logprobs))
             segments = [seg for r in reads(plan.state) for seg in r.segments()]
             location = self.connector.publish_regions(request_id, manifest, segments)
         except BaseException:
@@ -180,7 +180,7 @@ class Handoffs:
 
             manifest, data = self.connector.fetch_regions(location, meta.nbytes, check)
             skeleton = decoded[0]
-            prefilled = PrefilledRequest(_filled(skeleton.state, data), skeleton.output_token_ids)
+            prefilled = PrefilledRequest(_filled(skeleton.state, data), skeleton.output_token_ids, skeleton.output_logprobs)
             return prefilled, meta.nbytes + len(data), time.perf_counter() - started
         payload = self.connector.fetch(location, meta.nbytes)
         return handoff.decode(payload, meta), meta.nbytes, time.perf_counter() - started

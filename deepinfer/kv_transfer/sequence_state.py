@@ -159,10 +159,13 @@ class SequenceInstall:
 @dataclass
 class PrefilledRequest:
     """What a prefill engine hands a decode engine for one request: the state of its prompt and the
-    token(s) it sampled after it (the decode engine feeds them next)."""
+    token(s) it sampled after it (the decode engine feeds them next), with their log-probabilities when the
+    request asked for them (token id -> (logprob, rank) per token), so the decode side's output begins exactly
+    where the prefill side's ended."""
 
     state: SequenceState
     output_token_ids: list[int]
+    output_logprobs: list[dict[int, tuple[float, int]]] | None = None
 
 
 def _live(n: int, rows: int) -> np.ndarray:

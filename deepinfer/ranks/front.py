@@ -23,6 +23,7 @@ from ..kv_store import store_line
 from ..kv_transfer.sequence_state import PrefilledRequest
 from ..loader import load_tokenizer, read_config
 from ..models.common.config import ModelConfig
+from ..output_deltas import OutputDelta, SentSoFar, delta_of_output
 from ..outputs import RequestOutput
 from ..registry import select_backend
 from ..sampling_params import InvalidRequestError, SamplingParams
@@ -179,6 +180,10 @@ class ExpertParallelEngine:
             return RequestOutput(req.request_id, None, [], None, [], False)  # not yet reported by its rank
         return req.latest
 
+    def delta(self, req: RemoteRequest, sent: SentSoFar) -> OutputDelta:
+        """What its rank's latest snapshot adds to ``sent`` (the ranks report snapshots)."""
+        return delta_of_output(self.output(req), sent)
+
     @property
     def has_unfinished(self) -> bool:
         return any(not r.all_finished for r in self.requests.values())
@@ -186,7 +191,10 @@ class ExpertParallelEngine:
     # ----- stepping -----
 
     def step(self) -> list[RemoteRequest]:
-        """Wait for the ranks' next news; return the requests it changed."""
+        """Wait for the ranks' next news; return the requests it changed (none, at once, when nothing is running
+        or queued: idle rank processes send no news)."""
+        if self._server is None and not self._queued and not self.has_unfinished:
+            return []
         while True:
             _, reports = self._exchange()
             changed = self._take(reports)

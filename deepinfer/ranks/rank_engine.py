@@ -35,7 +35,7 @@ def build_rank(config: EngineConfig, place: RankPlace, control_timeout_s: float 
     model_config = parse_config(read_config(resolve_model_dir(config.model)))
     sharding = ExpertParallel(
         comm, model_config.num_hidden_layers, model_config.n_routed_experts, model_config.num_experts_per_tok,
-        backend.device.torch_device, eplb_settings(config, place.num_nodes),
+        backend.device.torch_device, eplb_settings(config, place.num_nodes), deterministic=config.deterministic,
     )
     peers = None
     if place.rendezvous_host is not None and not is_loopback(place.rendezvous_host):  # across machines: name a lost rank

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import DeepInferError
 from ..sampling_params import InvalidRequestError
-from . import chat, completions, render
+from . import anthropic, chat, completions, conversation, render, responses
 from .async_engine import EngineDeadError
 from .bootstrap import ROOM_WAIT_S
 from .errors import RETRY_AFTER_S, error_for
@@ -31,15 +31,18 @@ OPEN_PATHS = ("/health", "/metrics")
 OPEN_PREFIXES = ("/bootstrap/",)
 
 
-def _error(status: int, body: dict[str, Any]) -> JSONResponse:
+def _error(status: int, body: dict[str, Any], path: str = "") -> JSONResponse:
+    """The error reply; on the Anthropic Messages paths, in Anthropic's error shape."""
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    if anthropic.owns(path):
+        body = anthropic.error_object(status, body)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _Guard:
     """ASGI middleware in front of everything: bodies past ``max_body_bytes`` are refused before they
     are read whole (413: by Content-Length, or as a chunked body passes the limit), and with an API key
-    every path but the open ones needs ``Bearer KEY`` (401)."""
+    every path but the open ones needs ``Bearer KEY`` or, as Anthropic's clients send it, ``x-api-key: KEY`` (401)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -53,15 +56,16 @@ class _Guard:
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None and scope["path"] not in OPEN_PATHS and not scope["path"].startswith(OPEN_PREFIXES):
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.api_key):
-                await _error(401, error_body("a valid API key is required: send the header 'Authorization: Bearer KEY'",
-                                             "authentication_error", 401))(scope, receive, send)
+            bearer = hmac.compare_digest(given, b"Bearer " + self.api_key)
+            if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.api_key)):
+                await _error(401, error_body("a valid API key is required: send the header 'Authorization: Bearer KEY' "
+                                             "(or 'x-api-key: KEY')", "authentication_error", 401), scope["path"])(scope, receive, send)
                 return
         length = headers.get(b"content-length")
         too_big = error_body(f"the request body is larger than this server accepts ({self.max_body_bytes} bytes)",
                              "invalid_request_error", 413)
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await _error(413, too_big)(scope, receive, send)
+            await _error(413, too_big, scope["path"])(scope, receive, send)
             return
         # read the body here (up to the limit) and hand it on: a chunked body has no length to check first
         head: list[Message] = []
@@ -73,7 +77,7 @@ class _Guard:
                 break
             seen += len(message.get("body", b""))
             if seen > self.max_body_bytes:
-                await _error(413, too_big)(scope, receive, send)
+                await _error(413, too_big, scope["path"])(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -124,13 +128,16 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
     app.state.server = state
     models = request_models(state.limits)
     Completion, Chat, Tokenize = models.completion, models.chat, models.tokenize
+    Responses, Messages, CountTokens = models.responses, models.messages, models.count_tokens
+    stored = responses.ResponseStore()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = _telling(exc.errors())
         field = _field(exc.errors())
+        path = request.url.path
         if err.get("type") == "json_invalid":
-            return _error(400, error_body(f"the request body is not valid JSON: {err.get('msg')}", "invalid_request_error", 400))
+            return _error(400, error_body(f"the request body is not valid JSON: {err.get('msg')}", "invalid_request_error", 400), path)
         if not field:
             message = f"invalid request body: {err.get('msg')}"
         elif err.get("type") == "missing":  # its input is the whole body: not echoed
@@ -140,20 +147,23 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
             flag = RAISED_BY.get(field.split(".")[0])
             if flag is not None and err.get("type") == "less_than_equal":
                 message += f" (the server's {flag})"
-        return _error(400, error_body(message, "invalid_request_error", 400, field))
+        return _error(400, error_body(message, "invalid_request_error", 400, field), path)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+        body = error_body(str(exc.detail), kind, exc.status_code)
+        if anthropic.owns(request.url.path):
+            body = anthropic.error_object(exc.status_code, body)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(DeepInferError)
-    async def _refused(_: Request, exc: DeepInferError) -> JSONResponse:
-        return _error(*error_for(exc))
+    async def _refused(request: Request, exc: DeepInferError) -> JSONResponse:
+        return _error(*error_for(exc), request.url.path)
 
     @app.exception_handler(Exception)
-    async def _failed(_: Request, exc: Exception) -> JSONResponse:
-        return _error(*error_for(exc))  # Starlette then re-raises it: the traceback is logged
+    async def _failed(request: Request, exc: Exception) -> JSONResponse:
+        return _error(*error_for(exc), request.url.path)  # Starlette then re-raises it: the traceback is logged
 
     def refuse_when_draining() -> None:
         if state.draining:
@@ -168,6 +178,35 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
     async def create_chat_completion(body: Chat, request: Request):
         refuse_when_draining()
         return await chat.create_chat_completion(body, state, request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: Responses, request: Request):
+        """OpenAI Responses: the conversation's reply as output items (stored, the newest few, unless store=false)."""
+        refuse_when_draining()
+        return await responses.create_response(body, state, stored, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        """A stored response."""
+        return responses.stored_response(stored, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        """Forget a stored response."""
+        responses.stored_response(stored, response_id)
+        stored.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post("/v1/messages")
+    async def create_message(body: Messages, request: Request):
+        """Anthropic Messages: the conversation's reply as content blocks; errors in Anthropic's shape."""
+        refuse_when_draining()
+        return await anthropic.create_message(body, state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokens) -> dict[str, int]:
+        """The prompt's length in tokens as ``/v1/messages`` renders it."""
+        return await anthropic.count_tokens(body, state)
 
     @app.post("/v1/completions/render")
     async def render_completion(body: Completion) -> list[dict[str, Any]]:
@@ -208,7 +247,7 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            ids = chat.render(ChatCompletionRequest(
+            ids = conversation.render(ChatCompletionRequest(
                 messages=body.messages, tools=body.tools, reasoning_effort=body.reasoning_effort,
                 chat_template_kwargs=body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,

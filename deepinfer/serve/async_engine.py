@@ -26,10 +26,9 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..config import EngineConfig
 from ..stats import EngineLoad
-from .engine_process import (
-    Abort, Add, Admitted, Answer, EngineInfo, Failed, OutputDelta, Query, StepOutputs, Stop, TransferSettings, apply_delta,
-    run_engine_process,
-)
+from ..output_deltas import OutputDelta, apply_delta
+from .engine_launch import EngineLaunch, launch_engine
+from .engine_process import Abort, Add, Admitted, Answer, EngineInfo, Failed, Query, StepOutputs, Stop, TransferSettings
 
 log = logging.getLogger("deepinfer")
 
@@ -174,16 +173,13 @@ class AsyncEngine:
 
     # ----- lifecycle -----
 
-    def start_process(self, ready_timeout_s: float = 3600.0) -> EngineInfo:
-        """Spawn the engine process and wait (blocking) until its engine is built; a start-up failure
-        raises with the engine's one-line reason."""
-        ctx = multiprocessing.get_context("spawn")
-        mine, theirs = ctx.Pipe()
-        self._process = ctx.Process(target=run_engine_process, args=(self.config.model_dump_json(), theirs, self.verbose, self.transfer),
-                                    name="deepinfer-engine", daemon=True)
-        self._process.start()
-        theirs.close()
-        self._conn = mine
+    def start_process(self, ready_timeout_s: float = 3600.0, launched: EngineLaunch | None = None) -> EngineInfo:
+        """Spawn the engine process (or take ``launched``, spawned earlier for this engine's configuration) and
+        wait (blocking) until its engine is built; a start-up failure raises with the engine's one-line reason."""
+        if launched is None:
+            launched = launch_engine(self.config.model_dump_json(), self.verbose, self.transfer)
+        self._process, self._conn = launched.process, launched.conn
+        mine = self._conn
         deadline = time.monotonic() + ready_timeout_s
         while not mine.poll(0.2):
             if not self._process.is_alive():

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -27,7 +27,7 @@ from ..errors import DeepInferError, RankFailure
 from ..kv_transfer.handoffs import Handoffs
 from ..lifetime import die_with_parent
 from ..kv_transfer.sequence_state import PrefilledRequest
-from ..outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from ..output_deltas import OutputDelta, SentSoFar
 from ..sampling_params import SamplingParams
 from ..stats import EngineLoad
 
@@ -90,40 +90,6 @@ class Failed:
     message: str
 
 
-@dataclass
-class CompletionDelta:
-    """What one completion gained: its text from ``text_start`` on is ``text`` (a stop string cut at the
-    end can shorten it), plus the new tokens and their log-probabilities."""
-
-    index: int
-    text_start: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None
-    stop_reason: str | int | None
-
-
-@dataclass
-class OutputDelta:
-    request_id: str
-    completions: list[CompletionDelta]
-    finished: bool
-    error: str | None = None
-    num_cached_tokens: int = 0
-    #: sent once, with the delta that finishes the request
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    #: prefill role: where a decode server fetches its state from
-    kv_transfer_params: dict[str, Any] | None = None
-    #: the error is the server's (a failed KV transfer), not the request's
-    server_error: bool = False
-    #: sent with the finishing delta: seconds the request waited in the engine before its first step, and
-    #: seconds from its arrival there to its end
-    queue_seconds: float | None = None
-    engine_seconds: float | None = None
-
-
 @dataclass(frozen=True)
 class Admitted:
     """The engine took a request (``refusal`` None) or refused it on arrival."""
@@ -147,59 +113,6 @@ class Answer:
     error: str | None = None
 
 
-@dataclass
-class _Sent:
-    """How much of each completion of a request has been sent."""
-
-    text: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-
-
-def _delta(out: RequestOutput, sent: _Sent) -> OutputDelta:
-    if not sent.text:
-        sent.text = [0] * len(out.outputs)
-        sent.tokens = [0] * len(out.outputs)
-    completions = []
-    for k, c in enumerate(out.outputs):
-        start = min(sent.text[k], len(c.text))
-        n = sent.tokens[k]
-        completions.append(CompletionDelta(
-            c.index, start, c.text[start:], c.token_ids[n:], c.logprobs[n:] if c.logprobs is not None else None,
-            c.finish_reason, c.stop_reason,
-        ))
-        sent.text[k], sent.tokens[k] = len(c.text), len(c.token_ids)
-    delta = OutputDelta(out.request_id, completions, out.finished, out.error, out.num_cached_tokens, server_error=out.internal_error)
-    if out.finished:
-        delta.prompt_token_ids, delta.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
-        m = out.metrics
-        if m is not None:
-            delta.queue_seconds = m.first_scheduled_time - m.arrival_time if m.first_scheduled_time is not None else None
-            delta.engine_seconds = (m.finished_time if m.finished_time is not None else time.monotonic()) - m.arrival_time
-    return delta
-
-
-def apply_delta(out: RequestOutput | None, delta: OutputDelta) -> RequestOutput:
-    """The request's output after ``delta`` (a new one on its first delta); updated in place."""
-    if out is None:
-        out = RequestOutput(delta.request_id, None, [], None, [], False)
-    while len(out.outputs) < len(delta.completions):
-        out.outputs.append(CompletionOutput(index=len(out.outputs), text="", token_ids=[]))
-    for c, d in zip(out.outputs, delta.completions):
-        c.index = d.index
-        c.text = c.text[: d.text_start] + d.text
-        c.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            c.logprobs = (c.logprobs or []) + d.logprobs
-        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-    out.finished, out.error, out.num_cached_tokens = delta.finished, delta.error, delta.num_cached_tokens
-    if delta.prompt_token_ids is not None:
-        out.prompt_token_ids, out.prompt_logprobs = delta.prompt_token_ids, delta.prompt_logprobs
-    if delta.kv_transfer_params is not None:
-        out.extra["kv_transfer_params"] = delta.kv_transfer_params
-    out.internal_error = out.internal_error or delta.server_error
-    return out
-
-
 class _EngineLoop:
     """The engine process's loop: messages in between steps, deltas out after each."""
 
@@ -208,7 +121,7 @@ class _EngineLoop:
         self.conn = conn
         self.handoffs = handoffs
         self.recompute = recompute
-        self.sent: dict[str, _Sent] = {}
+        self.sent: dict[str, SentSoFar] = {}
         self.stopping = False
         self.last_load = EngineLoad()
         #: decode role: requests whose state is being fetched
@@ -280,9 +193,9 @@ class _EngineLoop:
 
     def _output_delta(self, req) -> OutputDelta:
         """What ``req`` gained this step (its prompt's ids sent once, at the end). A fault while building it
-        (detokenizing, copying logprobs) fails that request alone, with a 500 for its client."""
+        fails that request alone, with a 500 for its client."""
         try:
-            return self._take(self.engine.output(req, prompt_ids=req.all_finished))
+            return self._take(req)
         except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
             log.exception("the output of request %s could not be built", req.request_id)
             self.engine.abort(req.request_id)
@@ -295,7 +208,7 @@ class _EngineLoop:
         roles = {"hold_kv": True} if msg.hold_kv else {"prefilled": prefilled} if prefilled is not None else {}
         try:
             req = engine.add_request(msg.prompt, msg.params, request_id=msg.request_id, **roles)  # the colocated call any engine takes
-            out = engine.output(req) if req.all_finished else None  # refused on arrival (or done by its first token)
+            delta = self._take(req) if req.all_finished else None  # refused on arrival (or done by its first token)
         except RankFailure:
             raise
         except Exception as exc:  # noqa: BLE001 - a fault while admitting one request refuses it alone
@@ -304,19 +217,19 @@ class _EngineLoop:
             engine.release([msg.request_id])
             self.conn.send(Admitted(msg.request_id, f"internal error while admitting the request: {first_line(exc)}", internal=True))
             return
-        self.conn.send(Admitted(msg.request_id, out.error if out is not None else None, out is not None and out.internal_error))
-        if out is not None:
-            delta = self._take(out)
-            if req.hold_kv and out.error is None:
+        self.conn.send(Admitted(msg.request_id, delta.error if delta is not None else None, delta is not None and delta.server_error))
+        if delta is not None:
+            if req.hold_kv and delta.error is None:
                 self._publish(delta)
             self.conn.send(StepOutputs([delta], engine.load()))
             engine.release([msg.request_id])
 
-    def _take(self, out: RequestOutput) -> OutputDelta:
-        sent = self.sent.setdefault(out.request_id, _Sent())
-        delta = _delta(out, sent)
-        if out.finished:
-            self.sent.pop(out.request_id, None)
+    def _take(self, req) -> OutputDelta:
+        """``req``'s delta since the last one sent (the engine cuts it from its requests)."""
+        sent = self.sent.setdefault(req.request_id, SentSoFar())
+        delta = self.engine.delta(req, sent)
+        if delta.finished:
+            self.sent.pop(req.request_id, None)
         return delta
 
     def _apply(self, msg: Add | Abort | Query | Stop) -> None:

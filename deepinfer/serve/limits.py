@@ -15,7 +15,9 @@ from pydantic import Field, StringConstraints, create_model
 
 from ..request_limits import RequestLimits
 from ..sampling_params import INT32_MAX
+from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from .responses_protocol import ResponsesRequest
 
 #: the field a bound is on -> the server flag that raises it (a refusal's message names it)
 RAISED_BY = {"n": "--max-n", "best_of": "--max-n", "logprobs": "--max-logprobs", "top_logprobs": "--max-logprobs",
@@ -29,10 +31,13 @@ class RequestModels:
     completion: type[CompletionRequest]
     chat: type[ChatCompletionRequest]
     tokenize: type[TokenizeRequest]
+    responses: type[ResponsesRequest]
+    messages: type[MessagesRequest]
+    count_tokens: type[CountTokensRequest]
 
 
 def request_models(limits: RequestLimits) -> RequestModels:
-    """``CompletionRequest``, ``ChatCompletionRequest`` and ``TokenizeRequest`` with ``limits`` as constraints."""
+    """Every endpoint's body (completions, chat, tokenize, Responses, Anthropic Messages) with ``limits`` as constraints."""
     stop_text = Annotated[str, StringConstraints(max_length=limits.max_stop_chars)]
     stop_list = Annotated[list[stop_text], Field(max_length=limits.max_stop_strings)]
     prompts_text = Annotated[list[str], Field(max_length=limits.max_prompts)]
@@ -68,4 +73,15 @@ def request_models(limits: RequestLimits) -> RequestModels:
     tokenize_conversation = conversation()
     tokenize_conversation["messages"] = (list[dict[str, Any]] | None, Field(None, max_length=limits.max_messages))
     tokenize = create_model("TokenizeRequest", __base__=TokenizeRequest, __module__=__name__, **tokenize_conversation)
-    return RequestModels(completion, chat, tokenize)
+    responses = create_model(
+        "ResponsesRequest", __base__=ResponsesRequest, __module__=__name__,
+        input=(str | Annotated[list[dict[str, Any]], Field(max_length=limits.max_messages)], ...),
+        tools=(list[dict[str, Any]] | None, Field(None, max_length=limits.max_tools)),
+        stop=(stop_text | stop_list | None, None),
+    )
+    count_tokens = create_model("CountTokensRequest", __base__=CountTokensRequest, __module__=__name__, **conversation())
+    messages = create_model(
+        "MessagesRequest", __base__=MessagesRequest, __module__=__name__, **conversation(),
+        stop_sequences=(stop_list | None, None),
+    )
+    return RequestModels(completion, chat, tokenize, responses, messages, count_tokens)

@@ -106,33 +106,37 @@ class ServerMetrics:
                                      "Server time turning a request's outputs into its response (parsing, detokenized text, chunks)",
                                      labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
+        #: this model's series, looked up once (every finished request observes each)
+        self._series = {h: h.labels(model_name) for h in (self.ttft, self.itl, self.e2e, self.preprocess, self.queue, self.in_engine,
+                                                            self.postprocess, self.failed)}
+
     def observe(self, timing: StreamTiming, finish_reasons: list[str | None]) -> None:
         """A request finished: its latencies and why it stopped."""
-        name = self.model_name
+        series = self._series
         if timing.first_token is not None:
-            self.ttft.labels(name).observe(timing.first_token - timing.arrival)
-        itl = self.itl.labels(name)
+            series[self.ttft].observe(timing.first_token - timing.arrival)
+        itl = series[self.itl]
         for gap in timing.token_gaps:
             itl.observe(gap)
         if timing.finished is not None:
-            self.e2e.labels(name).observe(timing.finished - timing.arrival)
+            series[self.e2e].observe(timing.finished - timing.arrival)
         if timing.received is not None:
-            self.preprocess.labels(name).observe(max(0.0, timing.arrival - timing.received))
+            series[self.preprocess].observe(max(0.0, timing.arrival - timing.received))
         if timing.queue is not None:
-            self.queue.labels(name).observe(max(0.0, timing.queue))
+            series[self.queue].observe(max(0.0, timing.queue))
         if timing.in_engine is not None:
-            self.in_engine.labels(name).observe(max(0.0, timing.in_engine))
+            series[self.in_engine].observe(max(0.0, timing.in_engine))
         if timing.postprocess:
-            self.postprocess.labels(name).observe(timing.postprocess)
+            series[self.postprocess].observe(timing.postprocess)
         for reason in finish_reasons:
             if reason in ("stop", "length", "tool_calls"):
-                self.finished.labels(name, reason).inc()
+                self.finished.labels(self.model_name, reason).inc()
             else:
-                self.failed.labels(name).inc()
+                series[self.failed].inc()
 
     def observe_postprocess(self, seconds: float) -> None:
         """A whole (non-streamed) response was built in ``seconds``."""
-        self.postprocess.labels(self.model_name).observe(seconds)
+        self._series[self.postprocess].observe(seconds)
 
     def render(self, counters: dict[str, Any], load: EngineLoad) -> bytes:
         self.engine.counters = counters

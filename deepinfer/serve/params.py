@@ -59,9 +59,20 @@ def constraint_field(body: SamplingFields) -> str | None:
 
 
 def sampling_params(
-    body: SamplingFields, limits: RequestLimits, *, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None
+    body: SamplingFields, limits: RequestLimits, *, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None,
+    tool_constraint: StructuredOutputsParams | None = None, thinking_budget: int | None = None,
 ) -> SamplingParams:
-    """The engine's parameters for ``body``, generating at most ``max_tokens``, within ``limits``."""
+    """The engine's parameters for ``body``, generating at most ``max_tokens``, within ``limits``;
+    ``tool_constraint``: the grammar of forced tool calls (never together with an output constraint);
+    ``thinking_budget``: reasoning tokens before the engine closes the reasoning."""
+    constraint = structured_outputs(body)
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise InvalidRequestError(
+                f"tool_choice forces a tool call, which cannot be combined with {constraint_field(body)}; "
+                "drop one of them (tool_choice 'auto' lets the model answer in the requested format)", "tool_choice",
+            )
+        constraint = tool_constraint
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequestError(
             f"best_of {body.best_of} with n {body.n} is not supported: every completion generated is returned; "
@@ -80,7 +91,8 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens,
-        structured_outputs=structured_outputs(body),
+        structured_outputs=constraint,
+        thinking_budget=thinking_budget,
         cache_class=body.cache_class,
     )
     for name in ("top_p", "top_k", "min_p"):

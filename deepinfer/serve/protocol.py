@@ -102,6 +102,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
+    #: reasoning tokens after which the engine closes the reasoning (vLLM's spelling; SGLang's below)
+    thinking_token_budget: int | None = Field(None, ge=0, le=INT32_MAX)
+    thinking_budget: int | None = Field(None, ge=0, le=INT32_MAX)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

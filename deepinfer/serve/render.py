@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from . import chat, completions
+from . import completions, conversation
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import ServerState
 
@@ -35,6 +35,6 @@ def render_completion(body: CompletionRequest, state: ServerState) -> list[dict[
 def render_chat(body: ChatCompletionRequest, state: ServerState) -> dict[str, Any]:
     """The conversation's token ids in the model's chat format, rendered and checked as ``/v1/chat/completions`` does."""
     model = state.model_name(body.model)
-    ids = chat.render(body, state).token_ids
+    ids = conversation.render(body, state).token_ids
     state.check_prompt(ids, "messages")
     return _rendered(f"chatcmpl-{uuid.uuid4().hex}", model, ids)

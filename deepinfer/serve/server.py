@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import math
 import os
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import uvicorn
 
-from ..chat import ChatFormat, JinjaFormat, chat_format_for
+from ..chat import ChatFormat, chat_format_for
+from ..chat.tool_grammar import tool_call_format
 from ..config import EngineConfig
 from ..engine import resolve_model_dir
 from ..errors import ChatFormatError, ConfigError
@@ -41,6 +43,7 @@ from ..request_limits import RequestLimits
 from ..version import package_version
 from .async_engine import AsyncEngine
 from .bootstrap import Rooms
+from .engine_launch import EngineLaunch, launch_engine
 from .engine_process import TransferSettings
 from .chat_parsing import TOOL_PARSERS
 from .metrics import ServerMetrics
@@ -124,11 +127,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def _tool_call_parser(choice: str | None, fmt: ChatFormat | None) -> str | None:
     """``auto``: DSML for the DeepSeek-V4 format and templates that write it, ``hermes`` for templates writing
     ``<tool_call>`` JSON."""
-    if choice != "auto":
-        return choice
-    if isinstance(fmt, JinjaFormat) and "<tool_call>" in str(fmt.template) and "DSML" not in str(fmt.template):
-        return "hermes"
-    return "deepseek_v4"
+    return choice if choice != "auto" else tool_call_format(fmt)
 
 
 def _transfer(config: EngineConfig, options: ServeOptions) -> TransferSettings | None:
@@ -144,8 +143,18 @@ def _default_name(config: EngineConfig) -> str:
     return config.model if config.model is not None else resolve_model_dir(None).name
 
 
-def serve(config: EngineConfig, options: ServeOptions) -> int:
-    """Run the server in this process until it is told to stop; the exit status."""
+def serve(config: EngineConfig, options: ServeOptions, launched: EngineLaunch | None = None) -> int:
+    """Run the server in this process until it is told to stop; the exit status. ``launched``: the engine
+    process, spawned for ``config`` before this module was imported (so the two started side by side)."""
+    try:
+        return _serve(config, options, launched)
+    except BaseException:
+        if launched is not None and launched.process.exitcode is None and not launched.conn.closed:
+            launched.kill()  # refused before the engine was taken over (a taken port, a bad flag)
+        raise
+
+
+def _serve(config: EngineConfig, options: ServeOptions, launched: EngineLaunch | None) -> int:
     if options.tool_call_parser not in (None, "auto", *TOOL_PARSERS):
         raise ConfigError(f"--tool-call-parser {options.tool_call_parser!r} is unknown; choose auto, {', '.join(TOOL_PARSERS)} or none")
     template = None
@@ -157,6 +166,9 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     place = torchrun_rank()
     if place is not None:  # a torchrun worker, rank 0 (HTTP) too, dies with torchrun's agent: it cannot be orphaned
         die_with_parent()
+    if place is not None and launched is not None:  # the ranks are torchrun's: no engine process of our own
+        launched.kill()
+        launched = None
     if place is not None and place.rank != 0:  # under torchrun, rank 0 serves HTTP; this rank serves its experts
         make_engine(config)
         return 0
@@ -171,8 +183,11 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     log.info("loading %s (backend %s%s)", model_dir, config.backend, f", --ep {config.expert_parallel_size}" if config.expert_parallel_size > 1 else "")
     engine = AsyncEngine(config, options.max_queued_requests, verbose=log.isEnabledFor(logging.INFO), transfer=transfer)
     try:
-        info = engine.start_process()
+        launched = launched if launched is not None else launch_engine(config.model_dump_json(), engine.verbose, transfer)
+        # while the engine process builds the engine: this process's own remaining imports and the tokenizer
+        importlib.import_module(".app", __package__)
         tokenizer = load_tokenizer(model_dir)
+        info = engine.start_process(launched=launched)
         try:
             fmt, fmt_error = chat_format_for(model_dir, tokenizer, info.model_type, template), None
         except ChatFormatError as exc:

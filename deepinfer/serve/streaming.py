@@ -33,6 +33,11 @@ def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def named_sse(event: str, obj: Any) -> bytes:
+    """One server-sent event of type ``event`` carrying ``obj`` as JSON (the Responses and Anthropic streams)."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
 def check_output(stream: RequestStream, out: RequestOutput | None) -> RequestOutput:
     """The snapshot, or the request's failure as an exception: refused on arrival (nothing generated) is
     the client's problem (400), a failure after that is the server's (500)."""

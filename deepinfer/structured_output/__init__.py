@@ -8,6 +8,8 @@ tokens into an int32 bitmask in xgrammar's layout (bit ``j`` of word ``i`` is
 token ``32·i + j``), which the sampler applies with
 ``kernels.apply_token_bitmask``. Rows without a grammar are neither filled nor
 masked. ``StructuredOutputManager`` is the engine's single owner of all of it.
+A ``ThinkingGate`` (``thinking``) stands in for a matcher where a request has a
+thinking budget or a grammar that starts after its reasoning.
 """
 
 from .bitmask import allocate_bitmask

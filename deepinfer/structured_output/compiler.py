@@ -76,6 +76,8 @@ class GrammarCompilerCache:
                 return c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
             if kind == "regex":
                 return c.compile_regex(text)
+            if kind == "structural_tag":
+                return c.compile_structural_tag(text)
             if kind == "grammar" and not is_ebnf(text):
                 return c.compile_lark(text)
             return c.compile_grammar(text)

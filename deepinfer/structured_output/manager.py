@@ -11,6 +11,7 @@ from ..step import GrammarGate, ScheduledSequence, Step
 from .bitmask import allocate_bitmask
 from .compiler import GrammarCompilerCache
 from .matcher import RequestGrammar
+from .thinking import ThinkingGate, ThinkingMarkers, thinking_markers
 
 
 class StructuredOutputManager:
@@ -18,7 +19,9 @@ class StructuredOutputManager:
 
     The compiler is built on the first constrained request (xgrammar loads
     slowly). A matcher has seen every token the host has taken into its
-    request; masks for drafts step it over them and roll it back after.
+    request; masks for drafts step it over them and roll it back after. A
+    request with a thinking budget, or whose constraint starts after its
+    reasoning, gets a ``ThinkingGate`` around its grammar (or alone).
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_id: int | None) -> None:
@@ -26,7 +29,8 @@ class StructuredOutputManager:
         self._vocab_size = vocab_size
         self._eos_token_id = eos_token_id
         self._compiler: GrammarCompilerCache | None = None
-        self._matchers: dict[str, RequestGrammar] = {}
+        self._matchers: dict[str, RequestGrammar | ThinkingGate] = {}
+        self._markers: ThinkingMarkers | None = None
 
     @property
     def compiler(self) -> GrammarCompilerCache:
@@ -35,9 +39,26 @@ class StructuredOutputManager:
             self._compiler = GrammarCompilerCache(self._tokenizer, self._vocab_size, self._eos_token_id)
         return self._compiler
 
-    def add(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Constrain ``request_id`` by ``params``; ``InvalidRequestError`` (nothing kept) if it cannot be compiled."""
-        self._matchers[request_id] = self.compiler.request_grammar(params)
+    @property
+    def markers(self) -> ThinkingMarkers:
+        """The reasoning markers of the tokenizer, read on first use."""
+        if self._markers is None:
+            self._markers = thinking_markers(self._tokenizer)
+        return self._markers
+
+    def add(
+        self, request_id: str, params: StructuredOutputsParams | None, *, thinking_budget: int | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
+        """Constrain ``request_id`` by ``params`` and/or close its reasoning after ``thinking_budget`` tokens
+        (``prompt_ids`` tell whether the prompt opened reasoning); ``InvalidRequestError`` (nothing kept) if
+        the constraint cannot be compiled. Nothing to enforce: nothing is kept."""
+        grammar = self.compiler.request_grammar(params) if params is not None else None
+        if thinking_budget is None and (params is None or not params.after_reasoning):
+            if grammar is not None:
+                self._matchers[request_id] = grammar
+            return
+        self._matchers[request_id] = ThinkingGate(self.markers, list(prompt_ids or []), thinking_budget, grammar)
 
     def release(self, request_id: str) -> None:
         """Forget ``request_id``'s matcher (none: nothing to do)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ KIND_NAMES = {
     "regex": "regex",
     "grammar": "grammar",
     "choice": "choice",
+    "structural_tag": "structural tag",
 }
 
 _EBNF_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
@@ -106,4 +108,7 @@ def grammar_source(params: StructuredOutputsParams) -> GrammarSource:
         return GrammarSource("regex", params.regex)
     if params.grammar is not None:
         return GrammarSource("grammar", params.grammar)
+    if params.structural_tag is not None:
+        tag = params.structural_tag
+        return GrammarSource("structural_tag", tag if isinstance(tag, str) else json.dumps(tag, ensure_ascii=False))
     return GrammarSource("choice", choice_ebnf(list(params.choice or [])))

@@ -12,7 +12,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-from .version import INTERFACE_VERSION
 
 
 class Backend(ABC):
@@ -24,8 +23,11 @@ class Backend(ABC):
     device: ClassVar[str]
     communicator: ClassVar[str] = "torch-distributed"
     kernels: ClassVar[str]
-    #: the contract version this plugin was written against
-    interface_version: ClassVar[str] = INTERFACE_VERSION
+    #: the contract version this plugin was written for, e.g. ``"1.6.0"``: required, declared by the plugin's
+    #: own class (the registry refuses a bundle without one); it also decides the device features it gets
+    interface_version: ClassVar[str]
+    #: names of features newer than ``interface_version`` that the bundle's device implements (``features.py``)
+    extra_features: ClassVar[tuple[str, ...]] = ()
     #: ``auto`` picks the available backend with the highest priority
     priority: ClassVar[int] = 0
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_interfaces import Kernels, QuantizedWeight
+from deepinfer_interfaces import INTERFACE_VERSION, Kernels, QuantizedWeight
 
 
 class NoEpsKernels(Kernels):
     """RMSNorm that forgets ``eps`` inside the square root."""
 
     name = "mutant-no-eps"
+    interface_version = INTERFACE_VERSION
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return super().rms_norm(x, weight, 0.0)
@@ -35,6 +36,7 @@ class RopeHalvesKernels(Kernels):
     """RoPE that pairs channel ``i`` with ``i + R/2`` (the GPT-NeoX layout) instead of ``(2i, 2i+1)``."""
 
     name = "mutant-rope-halves"
+    interface_version = INTERFACE_VERSION
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         half = cos.shape[-1]
@@ -53,6 +55,7 @@ class NoSinkKernels(Kernels):
     """Sparse attention that leaves the per-head sink logit out of the softmax."""
 
     name = "mutant-no-sink"
+    interface_version = INTERFACE_VERSION
 
     def sparse_attention(self, q, kv, indices, sinks, scale):
         # a sink of -inf takes no probability mass
@@ -67,6 +70,7 @@ class WindowShortKernels(Kernels):
     """
 
     name = "mutant-window-short"
+    interface_version = INTERFACE_VERSION
 
     def sparse_attention(self, q, kv, indices, sinks, scale):
         valid = indices >= 0
@@ -80,6 +84,7 @@ class NoRouteBiasKernels(Kernels):
     """Learned routing that chooses experts without the load-balancing bias."""
 
     name = "mutant-no-route-bias"
+    interface_version = INTERFACE_VERSION
 
     def moe_route(self, logits, bias, top_k, routed_scaling, scoring="sqrtsoftplus", renormalize=True):
         return super().moe_route(logits, None, top_k, routed_scaling, scoring, renormalize)
@@ -89,6 +94,7 @@ class NoRenormKernels(Kernels):
     """Routing (learned and hash) that skips renormalising the chosen top-k weights."""
 
     name = "mutant-no-renorm"
+    interface_version = INTERFACE_VERSION
 
     def moe_route(self, logits, bias, top_k, routed_scaling, scoring="sqrtsoftplus", renormalize=True):
         return super().moe_route(logits, bias, top_k, routed_scaling, scoring, False)
@@ -101,6 +107,7 @@ class NoClampKernels(Kernels):
     """SwiGLU without the clamp, in the standalone activation and in the grouped experts."""
 
     name = "mutant-no-clamp"
+    interface_version = INTERFACE_VERSION
 
     def swiglu(self, gate, up, limit):
         return super().swiglu(gate, up, None)
@@ -113,6 +120,7 @@ class ShortSinkhornKernels(Kernels):
     """Hyper-connection weights with the Sinkhorn loop cut to 3 iterations."""
 
     name = "mutant-short-sinkhorn"
+    interface_version = INTERFACE_VERSION
 
     def mhc_pre(self, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
         return super().mhc_pre(x, fn, base, scale, norm_eps, hc_eps, min(sinkhorn_iters, 3))
@@ -122,6 +130,7 @@ class FP8LastBlockScaleKernels(Kernels):
     """FP8 linear whose scale index is off by one on the last block of columns: it reuses its neighbour's scale."""
 
     name = "mutant-fp8-last-block-scale"
+    interface_version = INTERFACE_VERSION
 
     def fp8_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         scales = weight.scales.clone()
@@ -134,6 +143,7 @@ class FP4SwappedNibblesKernels(Kernels):
     """FP4 experts decoded high nibble first: each packed pair of values comes out swapped."""
 
     name = "mutant-fp4-swapped-nibbles"
+    interface_version = INTERFACE_VERSION
 
     def moe_experts_quantized(self, x, topk_ids, topk_weights, w13: QuantizedWeight, w2: QuantizedWeight, limit):
         def swap(w: QuantizedWeight) -> QuantizedWeight:
@@ -149,6 +159,7 @@ class SampleTimesNoiseKernels(Kernels):
     """Sampling whose exponential race takes ``p · noise`` instead of ``p / noise`` (greedy rows unaffected)."""
 
     name = "mutant-sample-times-noise"
+    interface_version = INTERFACE_VERSION
 
     def sample(self, logits, temperature, top_k, top_p, min_p, noise):
         return super().sample(logits, temperature, top_k, top_p, min_p, 1.0 / noise)
@@ -158,6 +169,7 @@ class SampleSqueezeKernels(Kernels):
     """Sampling that squeezes its result: a batch of one comes back as a 0-d tensor, which crashes the engine."""
 
     name = "mutant-sample-squeeze"
+    interface_version = INTERFACE_VERSION
 
     def sample(self, logits, temperature, top_k, top_p, min_p, noise):
         return super().sample(logits, temperature, top_k, top_p, min_p, noise).squeeze()
@@ -167,6 +179,7 @@ class BitmaskMsbFirstKernels(Kernels):
     """Token bitmask read most significant bit first: token ``32·i + j`` is taken from bit ``31 − j``."""
 
     name = "mutant-bitmask-msb-first"
+    interface_version = INTERFACE_VERSION
 
     def apply_token_bitmask(self, logits, bitmask):
         shifts = 31 - torch.arange(32, device=bitmask.device, dtype=torch.int32)
@@ -181,6 +194,7 @@ class OneTokenNoSinkKernels(Kernels):
     """Sparse attention with a one-query fast path (a request decoding alone) that forgets the sink."""
 
     name = "mutant-one-token-no-sink"
+    interface_version = INTERFACE_VERSION
 
     def sparse_attention(self, q, kv, indices, sinks, scale):
         if q.shape[0] == 1:
@@ -198,6 +212,7 @@ class ClampUpAboveOnlyKernels(Kernels):
     """SwiGLU whose ``up`` clamp forgets the lower bound ``−limit`` (only matters where activations reach it)."""
 
     name = "mutant-clamp-up-above-only"
+    interface_version = INTERFACE_VERSION
 
     def swiglu(self, gate, up, limit):
         return _clamp_up_above_only(gate.float(), up.float(), limit).to(gate.dtype)
@@ -220,6 +235,7 @@ class Bf16RopeInverseKernels(Kernels):
     """RoPE whose bf16 path rotates the wrong way (the inverse rotation); fp32 is right."""
 
     name = "mutant-bf16-rope-inverse"
+    interface_version = INTERFACE_VERSION
 
     def rope(self, x, cos, sin, inverse: bool = False):
         return super().rope(x, cos, sin, not inverse if x.dtype == torch.bfloat16 else inverse)
@@ -230,6 +246,7 @@ class ReorderedSumsKernels(Kernels):
     channels reversed, attention over each row's positions reversed, each token's experts in reverse order."""
 
     name = "alternative-reordered-sums"
+    interface_version = INTERFACE_VERSION
 
     def rms_norm(self, x, weight, eps):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -244,6 +261,23 @@ class ReorderedSumsKernels(Kernels):
         return super().moe_experts(x, topk_ids.flip(-1), topk_weights.flip(-1), w13, w2, limit)
 
 
+class SplitKLinearKernels(Kernels):
+    """A dense linear that is right to fp32 rounding but splits its reduction by the batch size (split-K
+    for a batch of one, as GEMM heuristics do when there are too few rows to fill the device): a row's
+    bits depend on how many rows came with it, even in batch-invariant mode."""
+
+    name = "mutant-split-k-linear"
+    interface_version = INTERFACE_VERSION
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] != 1 or flat.shape[1] < 2:
+            return flat.matmul(weight.t()).view(*x.shape[:-1], weight.shape[0])
+        half = flat.shape[1] // 2
+        out = flat[:, :half].float() @ weight[:, :half].t().float() + flat[:, half:].float() @ weight[:, half:].t().float()
+        return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
 #: entry-point name -> class name, for the test's dist-info: kernel sets the suite must fail
 MUTANTS = {cls.name: cls.__name__ for cls in (
     NoEpsKernels, RopeHalvesKernels, NoSinkKernels, WindowShortKernels,
@@ -254,3 +288,5 @@ MUTANTS = {cls.name: cls.__name__ for cls in (
 )}
 #: correct kernel sets written differently: the suite must pass them
 ALTERNATIVES = {cls.name: cls.__name__ for cls in (ReorderedSumsKernels,)}
+#: kernel sets within tolerance everywhere that the batch-invariance suite must fail
+INVARIANCE_MUTANTS = {cls.name: cls.__name__ for cls in (SplitKLinearKernels,)}

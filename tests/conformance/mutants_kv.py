@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from deepinfer_interfaces import Kernels, PackedPool, PackedRegion
+from deepinfer_interfaces import INTERFACE_VERSION, Kernels, PackedPool, PackedRegion
 from deepinfer_interfaces.kv_format import (
     CODE_MAX, KVFormat, block_scales, decode_codes, e2m1_codes, record_scales, scale_field,
 )
@@ -56,6 +56,7 @@ class KVHalfBlockScaleKernels(Kernels):
     codes saturate."""
 
     name = "mutant-kv-half-block-scale"
+    interface_version = INTERFACE_VERSION
 
     def kv_pack(self, values, fmt):
         return pack(values, fmt, scales=_first_half_scales)
@@ -65,6 +66,7 @@ class KVRopeRoundedKernels(Kernels):
     """``kv_pack`` that rounds the rotary channels to e4m3 too before storing them as bf16."""
 
     name = "mutant-kv-rope-rounded"
+    interface_version = INTERFACE_VERSION
 
     def kv_pack(self, values, fmt):
         return pack(values, fmt, rope=lambda r: r.clamp(-448, 448).to(torch.float8_e4m3fn).float())
@@ -81,6 +83,7 @@ class KVFP8TruncatesKernels(Kernels):
     """``kv_pack`` whose FP8 codes truncate toward zero instead of rounding to nearest even."""
 
     name = "mutant-kv-fp8-truncates"
+    interface_version = INTERFACE_VERSION
 
     def kv_pack(self, values, fmt):
         return pack(values, fmt, codes=_e4m3_truncated if fmt.code == "e4m3" else None)
@@ -99,6 +102,7 @@ class KVFP4TruncatesKernels(Kernels):
     """``kv_pack`` whose FP4 codes truncate toward zero instead of rounding to nearest even."""
 
     name = "mutant-kv-fp4-truncates"
+    interface_version = INTERFACE_VERSION
 
     def kv_pack(self, values, fmt):
         return pack(values, fmt, codes=_e2m1_truncated if fmt.code == "e2m1" else None)
@@ -117,6 +121,7 @@ class KVNibblesSwappedKernels(Kernels):
     """FP4 records packed and read with the even channel in the high nibble (consistent with itself, not the format)."""
 
     name = "mutant-kv-nibbles-swapped"
+    interface_version = INTERFACE_VERSION
 
     def kv_pack(self, values, fmt):
         return pack(values, fmt, nibbles_high_first=True)
@@ -137,6 +142,7 @@ class KVScaleRoundedDownKernels(Kernels):
     """``kv_pack`` choosing ue8m0 scales ``2^floor(log2(amax / Q))``: rounded down, so block maxima saturate."""
 
     name = "mutant-kv-ue8m0-floor"
+    interface_version = INTERFACE_VERSION
 
     def kv_pack(self, values, fmt):
         return pack(values, fmt, scales=_ue8m0_floor_scales)
@@ -158,6 +164,7 @@ class KVNoAmaxFloorKernels(Kernels):
     """``kv_pack`` without the amax floor: an all-zero block gets a zero scale (codes NaN), a tiny one a tiny scale."""
 
     name = "mutant-kv-no-amax-floor"
+    interface_version = INTERFACE_VERSION
 
     def kv_pack(self, values, fmt):
         return pack(values, fmt, scales=_unfloored)
@@ -180,6 +187,7 @@ class HadamardBf16Kernels(Kernels):
     """``hadamard`` as a butterfly whose partial sums stay in bf16 (the spec sums in fp32)."""
 
     name = "mutant-hadamard-bf16-sums"
+    interface_version = INTERFACE_VERSION
 
     def hadamard(self, x):
         return x.clone() if x.numel() == 0 else _butterfly(x, torch.bfloat16)
@@ -189,6 +197,7 @@ class KVUnpackBf16MultiplyKernels(Kernels):
     """``kv_unpack`` multiplying codes by their scales in bf16 (the spec multiplies in fp32, then rounds once)."""
 
     name = "mutant-kv-unpack-bf16-multiply"
+    interface_version = INTERFACE_VERSION
 
     def kv_unpack(self, records, fmt, dtype=torch.float32):
         lead = records.shape[:-1]
@@ -213,6 +222,7 @@ class PackedAttentionWrongFormatKernels(Kernels):
     out wrong, V4's single FP8 region right."""
 
     name = "mutant-packed-attention-wrong-format"
+    interface_version = INTERFACE_VERSION
 
     def sparse_attention(self, q, kv, indices, sinks, scale):
         return super().sparse_attention(q, _scales_read_as_ue8m0(kv), indices, sinks, scale)
@@ -226,6 +236,7 @@ class AlternativeKVKernels(Kernels):
     exponent bits, the Walsh–Hadamard transform as an fp32 butterfly."""
 
     name = "alternative-kv-correct"
+    interface_version = INTERFACE_VERSION
 
     def kv_pack(self, values, fmt):
         out = super().kv_pack(values, fmt)

@@ -164,6 +164,48 @@ class Bf16AccumAttentionKernels(Kernels):
         return tiled_attention(q, kv, indices, sinks, scale, tile=64, keep=q.dtype)
 
 
+class Bf16PoolingCompressorKernels(Kernels):
+    """A KV compressor that pools each window slot by slot, its running sums (weighted rows and normaliser) kept in
+    the input dtype: a Triton loop over the window with a 16-bit accumulator."""
+
+    name = "mutant-bf16-pooling-compressor"
+
+    def compress_kv(self, kv, gate, position_bias, indices, prev_indices=None):
+        if indices.shape[0] == 0:
+            return kv.new_zeros(0, kv.shape[1] if prev_indices is None else kv.shape[1] // 2)
+        c = kv.shape[1]
+        series = [(indices, slice(0, c))] if prev_indices is None else [(prev_indices, slice(0, c // 2)), (indices, slice(c // 2, c))]
+        vals, logits = [], []
+        for rows, chans in series:
+            valid = (rows >= 0)[..., None]
+            vals.append(take_rows(kv, rows).float()[..., chans])
+            z = take_rows(gate, rows).float()[..., chans] + position_bias.float()[:, chans]
+            logits.append(z.masked_fill(~valid, float("-inf")))
+        v, z = torch.cat(vals, 1), torch.cat(logits, 1)
+        top = z.amax(1, keepdim=True)
+        w = torch.exp(z - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+        num = torch.zeros(v.shape[0], v.shape[2])
+        den = torch.zeros_like(num)
+        for j in range(v.shape[1]):
+            num = (num + w[:, j] * v[:, j]).to(kv.dtype).float()
+            den = (den + w[:, j]).to(kv.dtype).float()
+        return (num / torch.where(den > 0, den, torch.ones_like(den))).to(kv.dtype)
+
+
+class Bf16SumOfSquaresKernels(Kernels):
+    """RMSNorm whose sum of squares is kept in the input dtype between chunks of 64 channels."""
+
+    name = "mutant-bf16-sum-of-squares"
+
+    def rms_norm(self, x, weight, eps):
+        xf = x.float()
+        total = torch.zeros(*x.shape[:-1], 1)
+        for a in range(0, x.shape[-1], 64):
+            total = (total + xf[..., a : a + 64].square().sum(-1, keepdim=True)).to(x.dtype).float()
+        y = xf * torch.rsqrt(total / x.shape[-1] + eps)
+        return (y if weight is None else y * weight.float()).to(x.dtype)
+
+
 class Bf16AccumExpertsKernels(Kernels):
     """Grouped experts whose GEMMs keep their partial sums in the input dtype between K tiles of 64."""
 
@@ -252,6 +294,7 @@ class AlternativeKernels(Kernels):
 MUTANTS = {cls.name: cls.__name__ for cls in (
     TopkTieHighColumnKernels, RouteTieHighExpertKernels, DecodePathIgnoresPaddingKernels, SqueezedRouteKernels,
     HeadDimTileKernels, WindowTileKernels, Bf16AccumAttentionKernels, Bf16AccumExpertsKernels,
+    Bf16PoolingCompressorKernels, Bf16SumOfSquaresKernels,
     EntryTopkTieHighKernels, EntryTopkFirstTilesKernels, EntryAttentionFirstTilesKernels,
 )}
 CORRECT = {AlternativeKernels.name: AlternativeKernels.__name__}

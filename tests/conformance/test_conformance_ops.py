@@ -14,15 +14,17 @@ from tests.helpers.plugins import make_plugin_dist, run_cli
 MUTANT = {
     "deepinfer_test_mutant": """
         import torch
-        from deepinfer_interfaces import Kernels
+        from deepinfer_interfaces import INTERFACE_VERSION, Kernels
 
         class NoEpsKernels(Kernels):
             name = "mutant-eps"
+            interface_version = INTERFACE_VERSION
             def rms_norm(self, x, weight, eps):
                 return super().rms_norm(x, weight, 0.0)
 
         class SlightlyOffKernels(Kernels):
             name = "slightly-off"
+            interface_version = INTERFACE_VERSION
             def rope(self, x, cos, sin, inverse=False):
                 out = super().rope(x, cos, sin, inverse)
                 return out + 2e-5 if out.dtype == torch.float32 else out
@@ -61,7 +63,8 @@ def test_cli_reports_and_exit_status(tmp_path):
 
 def test_eps_ignoring_rms_norm_fails_only_that_op(tmp_path):
     report = tmp_path / "r.json"
-    proc = run_cli(["conformance", "--backend", "cpu", "--kernels", "mutant-eps", "--report", str(report)], extra_path=_plugins(tmp_path))
+    proc = run_cli(["conformance", "--backend", "cpu", "--kernels", "mutant-eps", "--suite", "ops", "--report", str(report)],
+                   extra_path=_plugins(tmp_path))
     assert proc.returncode == 1
     results = json.loads(report.read_text())["results"]
     failing_ops = {r["op"] for r in results if r["status"] == "fail"}
@@ -72,7 +75,8 @@ def test_eps_ignoring_rms_norm_fails_only_that_op(tmp_path):
 
 def test_small_excess_is_a_quality_warning_not_a_failure(tmp_path):
     report = tmp_path / "r.json"
-    proc = run_cli(["conformance", "--kernels", "slightly-off", "--ops", "rope", "--report", str(report)], extra_path=_plugins(tmp_path))
+    proc = run_cli(["conformance", "--kernels", "slightly-off", "--suite", "ops", "--ops", "rope", "--report", str(report)],
+                   extra_path=_plugins(tmp_path))
     assert proc.returncode == 0, proc.stdout
     rows = json.loads(report.read_text())["results"]
     assert {r["status"] for r in rows if r["dtype"] == "float32" and r["case"] != "empty_batch"} == {"warn"}

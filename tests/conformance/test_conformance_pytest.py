@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ENTRY = """
     import torch
     from deepinfer_cpu.device import CPUDevice
-    from deepinfer_interfaces import Backend, DeviceCapabilities, Kernels
+    from deepinfer_interfaces import Backend, DeviceCapabilities, INTERFACE_VERSION, Kernels
 
     class NoHalfDevice(CPUDevice):
         def capabilities(self):
@@ -33,6 +33,7 @@ ENTRY = """
 
     class NoHalfBackend(Backend):
         name = "nohalf"
+        interface_version = INTERFACE_VERSION
         device = "nohalf"
         kernels = "slightly-off"
         priority = -100
@@ -43,6 +44,7 @@ ENTRY = """
 
     class SlightlyOffKernels(Kernels):
         name = "slightly-off"
+        interface_version = INTERFACE_VERSION
         def rope(self, x, cos, sin, inverse=False):
             out = super().rope(x, cos, sin, inverse)
             return out + 2e-5 if out.dtype == torch.float32 else out

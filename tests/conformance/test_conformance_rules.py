@@ -25,8 +25,11 @@ EXPECTED: dict[str, dict[str, set[str]]] = {
     "mutant-squeezed-route": {"moe_route": {"one_token_e256_k6", "one_token_e256_k6_ties"}},
     "mutant-head-dim-tile": {"sparse_attention": {"one_token_decode_h64_d512_window128", "t1_h64_d512_window128_topk512"}},
     "mutant-window-tile": {"compress_kv": {"hca_one_row_m128_c512", "hca_e2_m128_c512_partial"}},
-    "mutant-bf16-accum-attention": {"sparse_attention": {"t1_h16_d512_long_list_2176", "t1_h64_d512_window128_topk512"}},
-    "mutant-bf16-accum-experts": {"moe_experts": {"one_token_d4096_i2048_k6_real_width"}},
+    "mutant-bf16-accum-attention": {"sparse_attention": {"t1_h16_d512_long_list_2176", "t1_h64_d512_window128_topk512",
+                                                         "accumulation_t2_h4_d64_2048_rows_rise_then_fall"}},
+    "mutant-bf16-pooling-compressor": {"compress_kv": {"accumulation_hca_e2_m128_c512_rise_then_fall"}},
+    "mutant-bf16-sum-of-squares": {"rms_norm": {"accumulation_t4_hidden_4096_outlier_channel_first"}},
+    "mutant-bf16-accum-experts": {"moe_experts": {"one_token_d4096_i2048_k6_real_width", "accumulation_t2_d4096_i16_k2_rise_then_fall"}},
     "mutant-entry-topk-tie-high": {"indexer_topk": {"integer_inputs_equal_scores_in_entry_order"}},
     "mutant-entry-topk-first-tiles": {"indexer_topk": {"t2_long_context_32768_entries"}},
     "mutant-entry-attention-first-tiles": {"entry_attention": {"t2_long_context_8192_entries"}},
@@ -109,6 +112,33 @@ def test_every_op_has_one_token_and_real_shape_cases():
 def test_accumulation_sensitive_ops_carry_a_limit():
     ops = {"sparse_attention", "indexer_scores", "moe_experts", "fp8_linear", "moe_experts_quantized", "rms_norm", "compress_kv",
            "mhc_pre", "mhc_mix", "mhc_collapse", "mhc_post", "mhc_head", "engram_inject", "indexer_topk", "indexer_block_topk", "entry_attention",
-           "vit_attention"}
+           "vit_attention", "linear"}
     assert {op for op, s in SPECS.items() if s.rms_limits} == ops
     assert all(SPECS[op].rms_reason for op in ops)
+
+
+#: 16-bit accumulators and the accumulation case of the rule each breaks
+ACCUMULATION_MUTANTS = {
+    "mutant-bf16-pooling-compressor": ("compress_kv", "accumulation_hca_e2_m128_c512_rise_then_fall"),
+    "mutant-bf16-accum-attention": ("sparse_attention", "accumulation_t2_h4_d64_2048_rows_rise_then_fall"),
+    "mutant-bf16-sum-of-squares": ("rms_norm", "accumulation_t4_hidden_4096_outlier_channel_first"),
+    "mutant-bf16-accum-experts": ("moe_experts", "accumulation_t2_d4096_i16_k2_rise_then_fall"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACCUMULATION_MUTANTS))
+def test_16_bit_accumulation_fails_outright_not_as_a_warning(results, name):
+    op, case = ACCUMULATION_MUTANTS[name]
+    row = next(r for r in results[name][op] if r.case == case and r.dtype == "bfloat16")
+    assert row.status == "fail" and "accumulation case, no warning band" in row.message, row
+    assert row.frac_out_of_tol > 0.1, row
+    good = next(r for r in results[mutants_ops.AlternativeKernels.name][op] if r.case == case and r.dtype == "bfloat16")
+    assert good.status == "pass" and good.max_abs_err < row.max_abs_err / 20, good
+
+
+def test_every_accumulation_rule_has_16_bit_cases():
+    for op, spec in SPECS.items():
+        cases = [c for c in spec.cases() if c.accumulation]
+        assert bool(spec.accumulation) == bool(cases), op
+        assert all(c.dtypes and torch.float32 not in c.dtypes for c in cases), op
+    assert {op for op, s in SPECS.items() if s.accumulation} >= {"compress_kv", "sparse_attention", "rms_norm", "moe_experts"}

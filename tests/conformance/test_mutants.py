@@ -24,6 +24,10 @@ The packed KV cache mutants (``tests/conformance/mutants_kv.py``) run op parity 
 ops (and the attention ops for the one whose bug is there), in the same batch: each must fail exactly the
 ops it breaks.
 
+The batch-invariance mutant (``mutants.INVARIANCE_MUTANTS``: a linear within tolerance whose reduction split
+depends on the batch size) runs the default suites (op parity and batch invariance) over two ops: it passes
+op parity and fails only its op's batch-invariance cases.
+
 The communicator mutant (a dispatch that drops the last token) is covered by
 ``tests/conformance/test_conformance_comm.py::test_dispatch_that_drops_a_token_fails``.
 """
@@ -89,7 +93,8 @@ def test_every_mutant_has_an_expectation():
 @pytest.fixture(scope="module")
 def plugin_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mutants")
-    kernels = {name: f"deepinfer_test_mutants:{cls}" for name, cls in {**mutants.MUTANTS, **mutants.ALTERNATIVES}.items()}
+    kernels = {name: f"deepinfer_test_mutants:{cls}"
+               for name, cls in {**mutants.MUTANTS, **mutants.ALTERNATIVES, **mutants.INVARIANCE_MUTANTS}.items()}
     kernels.update({name: f"deepinfer_test_mutants_kv:{cls}" for name, cls in {**mutants_kv.MUTANTS, **mutants_kv.CORRECT}.items()})
     return make_plugin_dist(
         root,
@@ -128,6 +133,10 @@ def reports(plugin_root, checkpoints, tmp_path_factory) -> dict[str, tuple[objec
     for name in packed:
         ops = [arg for op in sorted(PACKED_OPS | PACKED_EXPECTED.get(name, set())) for arg in ("--ops", op)]
         commands.append(["conformance", "--backend", "cpu", "--kernels", name, "--suite", "ops", *ops, "--report", str(out / f"{name}.json")])
+    for name in mutants.INVARIANCE_MUTANTS:
+        names.append(name)
+        commands.append(["conformance", "--backend", "cpu", "--kernels", name, "--ops", "linear", "--ops", "rms_norm",
+                         "--report", str(out / f"{name}.json")])
     procs = run_cli_batch(commands, extra_path=plugin_root, env={"OMP_NUM_THREADS": "1"})
     return {name: (proc, json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else None)
             for name, proc in zip(names, procs)}
@@ -180,3 +189,16 @@ def test_correct_packed_alternative_passes(name, reports):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert {r["op"] for r in report["results"]} == PACKED_OPS
     assert all(r["status"] == "pass" for r in report["results"]), [r for r in report["results"] if r["status"] != "pass"][:3]
+
+
+@pytest.mark.parametrize("name", sorted(mutants.INVARIANCE_MUTANTS))
+def test_batch_dependent_kernel_fails_only_batch_invariance(name, reports):
+    proc, report = reports[name]
+    assert report is not None, proc.stdout + proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = report["results"]
+    failing = [r for r in rows if r["status"] == "fail"]
+    assert {r["op"] for r in failing} == {"linear"}, failing[:3]
+    assert all(r["case"].endswith("_batch_invariance") and "not batch-invariant" in r["message"] for r in failing)
+    assert any(r["case"].endswith("_batch_invariance") and r["op"] == "rms_norm" and r["status"] == "pass" for r in rows)
+    assert all(r["status"] == "pass" for r in rows if not r["case"].endswith("_batch_invariance"))

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from deepinfer.profile_cache import CACHE_DIR_ENV, ProfileCache, cache_dir, model_fingerprint
+from deepinfer.profile_cache import CACHE_DIR_ENV, CHECK_EVERY, OnlineBound, ProfileCache, cache_dir, model_fingerprint
 from deepinfer.spec_decode import StepCostProfile
 
 PROFILE = StepCostProfile((1, 2, 8), (0.010, 0.011, 0.020))
@@ -53,3 +53,28 @@ def test_a_second_engine_process_reads_the_first_ones_profiles(tmp_path):
     assert "step-cost profile" in runs[0].stdout and "draft-cost profile" in runs[0].stdout
     assert "profile" not in runs[1].stdout, runs[1].stdout
     assert len(list((tmp_path / "profiles").iterdir())) == 2
+
+
+def test_a_profile_timed_on_a_busy_machine_is_lowered_to_the_steps_observed(tmp_path):
+    """Observed steps bound the profile at their size and below; where it is well above, it is lowered, kept in
+    the cache for the next start, and never raised by a slower step (that is load now, not the device's cost)."""
+    slow = StepCostProfile((1, 8, 64), (0.300, 0.320, 0.400))  # timed while others ran
+    cache = ProfileCache(tmp_path)
+    cache.put(KEY, slow)
+    bound = OnlineBound("step-cost profile", slow, KEY, cache)
+    fixed = [bound.observe(8, 0.040) for _ in range(CHECK_EVERY - 1)]
+    assert fixed == [None] * (CHECK_EVERY - 1)  # checked every CHECK_EVERY observations
+    fixed = bound.observe(64, 0.090)
+    assert fixed is not None and fixed.seconds == (0.040, 0.040, 0.090)
+    assert ProfileCache(tmp_path).get(KEY) == fixed  # the next process starts from the corrected prior
+    for _ in range(CHECK_EVERY):
+        assert bound.observe(64, 5.0) is None  # slower steps: nothing raised
+    assert bound.profile == fixed and bound.corrections == 1
+
+
+def test_a_profile_that_agrees_with_the_steps_is_kept(tmp_path):
+    quiet = StepCostProfile((1, 8, 64), (0.030, 0.036, 0.080))
+    bound = OnlineBound("step-cost profile", quiet, KEY, ProfileCache(tmp_path))
+    for i in range(4 * CHECK_EVERY):
+        assert bound.observe(1 + i % 64, 0.9 * quiet.cost(1 + i % 64) + 0.002) is None  # within DISAGREE of it
+    assert bound.corrections == 0 and not list(tmp_path.iterdir())

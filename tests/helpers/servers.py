@@ -41,6 +41,8 @@ READY_TIMEOUT_S = 240.0
 #: settings, ``DEEPINFER_API_KEY`` the key): a test names what it wants in ``env``
 _CLEARED_PREFIXES = ("DEEPINFER_",)
 _CLEARED = ("TRITON_INTERPRET", "ASCEND_RT_VISIBLE_DEVICES")
+#: deepinfer's variables a server keeps: where start-up profiles are cached is no engine setting
+_KEPT = ("DEEPINFER_CACHE_DIR",)
 #: start attempts when the port picked is taken by someone else meanwhile
 _PORT_ATTEMPTS = 3
 
@@ -58,8 +60,10 @@ def serve_command(port: int, args: list[str]) -> list[str]:
 
 
 def server_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The caller's environment without deepinfer's settings, one OpenMP thread, then ``env``."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith(_CLEARED_PREFIXES) and k not in _CLEARED}
+    """The caller's environment without deepinfer's settings, one OpenMP thread, then ``env``. The profile cache's
+    directory (``DEEPINFER_CACHE_DIR``) is kept: every server of a run shares the start-up profiles."""
+    full = {k: v for k, v in os.environ.items()
+            if (not k.startswith(_CLEARED_PREFIXES) or k in _KEPT) and k not in _CLEARED}
     full["OMP_NUM_THREADS"] = "1"
     full.update(env or {})
     return full

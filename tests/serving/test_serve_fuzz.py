@@ -1,6 +1,6 @@
 """``deepinfer serve`` fuzzed from its own OpenAPI schema (schemathesis + hypothesis): a few hundred generated
 requests, valid and invalid, to every endpoint of one running server. None may get a 5xx, every refusal is
-OpenAI's error object, and afterwards the server is healthy, idle, and its engine no larger than the bound."""
+OpenAI's error object (Anthropic's on the Messages endpoints), and afterwards the server is healthy, idle, and its engine no larger than the bound."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from tests.helpers.servers import ServerProcess, running_server
 MODEL = "tiny-v4"
 #: the server's bounds: small, so that generated requests that reach the engine stay cheap
 ARGS = ["--max-model-len", "48", "--max-n", "3", "--max-logprobs", "4", "--served-model-name", MODEL]
-#: examples per operation and mode (15 operations, valid and invalid bodies: a few hundred requests), more
+#: examples per operation and mode (20 operations, valid and invalid bodies: a few hundred requests), more
 #: valid ones for the endpoints that run the engine
 EXAMPLES = 18
 GENERATING_EXAMPLES = 45
@@ -75,6 +75,10 @@ def _realistic(body: Any, path: str) -> Any:
         body["messages"] = USER
     if path.startswith("/v1/completions"):
         body["prompt"] = PROMPT
+    if path == "/v1/responses":
+        body["input"] = USER
+    if path.startswith("/v1/messages"):
+        body["messages"] = USER
     return body
 
 
@@ -84,10 +88,14 @@ def _check(response: requests.Response, seen: Counter, path: str) -> None:
     seen[(path, status)] += 1
     assert status < 500, f"{response.request.method} {response.request.url} -> {status}: {response.text[:500]}"
     if status >= 400:
-        error = response.json().get("error")
+        body = response.json()
+        error = body.get("error")
         assert isinstance(error, dict), response.text[:500]
         assert isinstance(error.get("message"), str) and error["message"] and "\n" not in error["message"], error
-        assert error.get("code") == status and isinstance(error.get("type"), str), error
+        if path.startswith("/v1/messages"):  # Anthropic's error object
+            assert body.get("type") == "error" and isinstance(error.get("type"), str), body
+        else:
+            assert error.get("code") == status and isinstance(error.get("type"), str), error
 
 
 @pytest.mark.slow

@@ -88,3 +88,26 @@ def test_spans_count_in_streamed_usage_and_the_context_check(server):
     assert got.status_code == 400, got.text
     error = got.json()["error"]
     assert "with its images' spans but max_model_len is 256" in error["message"] and error["param"] == "messages"
+
+
+def test_responses_and_messages_images_reach_the_engine_as_chat_does(server):
+    """An ``input_image`` (Responses) and a base64 ``image`` block (Anthropic Messages) become the chat image part:
+    the same prompt, spans and greedy reply as through ``/v1/chat/completions``."""
+    uri = data_uri(gradient_image(16, 16))
+    # each from an empty prefix cache: a prompt with an image computed after a prefix hit is not the same yet
+    httpx.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    chat = _chat(server, [{"type": "text", "text": "what is this? "}, {"type": "image_url", "image_url": {"url": uri}}]).json()
+    httpx.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    responses = httpx.post(server.url + "/v1/responses", timeout=120, json={
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "what is this? "}, {"type": "input_image", "image_url": uri}]}],
+        "max_output_tokens": 2, "temperature": 0.0}).json()
+    media, data = uri.removeprefix("data:").split(";base64,")
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "what is this? "},
+                                                 {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}}]}]
+    httpx.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    messages = httpx.post(server.url + "/v1/messages", timeout=120, json={"messages": conversation, "max_tokens": 2, "temperature": 0.0}).json()
+    counted = httpx.post(server.url + "/v1/messages/count_tokens", timeout=120, json={"messages": conversation}).json()
+    assert responses["usage"]["input_tokens"] == messages["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert counted["input_tokens"] == chat["usage"]["prompt_tokens"]
+    text = chat["choices"][0]["message"]["content"]
+    assert responses["output"][-1]["content"][0]["text"] == messages["content"][-1]["text"] == text

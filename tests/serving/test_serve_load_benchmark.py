@@ -1,5 +1,6 @@
-"""benchmarks/serve_load.py end to end at tiny settings: it starts a server, loads it at two concurrency levels,
-stops it, and its --json line has positive throughputs and latencies at every level and the added latency at 1."""
+"""benchmarks/serve_load.py end to end at tiny settings: it starts a server, loads it at two concurrency levels through
+the raw and the openai clients, stops it, and its --json line has positive throughputs and latencies at every level
+and client and the added latency at 1."""
 
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ def test_serve_load_tiny_run_reports_every_level():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--concurrency", "1,2", "--requests", "4", "--repeat", "1",
-         "--max-output", "8", "--json"],
+         "--max-output", "8", "--clients", "raw,openai", "--no-startup", "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     levels = figures["levels"]
-    assert [lv["concurrency"] for lv in levels] == [1, 2]
+    assert [(lv["concurrency"], lv["client"]) for lv in levels] == [(1, "raw"), (1, "openai"), (2, "raw"), (2, "openai")]
     for lv in levels:
         assert lv["requests"] == 4
         for key in ("server_tokens_per_s", "offline_tokens_per_s", "ratio", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):

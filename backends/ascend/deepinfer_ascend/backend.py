@@ -7,6 +7,7 @@ from deepinfer_interfaces import Backend
 
 class AscendBackend(Backend):
     name = "ascend"
+    interface_version = "1.7.0"  # the contract this bundle was written for
     device = "ascend"
     communicator = "hccl-moe"
     kernels = "ascend"

@@ -22,6 +22,13 @@ the op's reference result is returned, one warning line on the
 ``deepinfer.ascend`` logger names the op and the error, and that op runs the
 reference from then on.
 
+Batch-invariant mode (``set_batch_invariant(True)``) turns on the determinism
+switches torch-npu offers (``deterministic.py``) and sends every op this set
+runs itself to the reference's batch-invariant path: none of its fused ops has
+a batch-invariant mode. A strict set raises ``NotSupportedError`` for those ops
+instead, naming the fused op or kernel, so conformance reports them
+``not_supported`` rather than measuring the reference.
+
 ``strict`` changes only the "otherwise": a strict kernel set raises
 ``NotSupportedError("needs torch_npu: …")`` (or "needs Triton-Ascend") instead
 of quietly running the reference, so conformance reports those ops
@@ -58,6 +65,7 @@ import torch
 from deepinfer_interfaces import Kernels, NotSupportedError, PackedPool, QuantizedWeight
 from deepinfer_interfaces.kv_format import KVFormat
 
+from .deterministic import no_batch_invariance_reason, set_deterministic
 from .launch import KERNEL_DTYPES, is_disabled, on_npu, packed_pool_reason, triton_can_run
 from .npu import load_torch_npu
 
@@ -75,10 +83,14 @@ GATHER_BYTES = 256 << 20
 #: ``mhc_collapse``, ``mhc_head`` ends in ``mhc_collapse``): through ``super()`` it would call this set's overrides
 #: of the parts, so a disabled or failed op would still run fused ops or kernels
 _REFERENCE = Kernels()
+#: the same in batch-invariant mode
+_INVARIANT_REFERENCE = Kernels()
+_INVARIANT_REFERENCE.set_batch_invariant(True)
 
 
 class AscendKernels(Kernels):
     name = "ascend"
+    interface_version = "1.7.0"  # the contract this kernel set was written for
 
     #: op -> where it runs on Ascend: ``torch_npu:<fused op>``, ``triton-ascend``, or a Triton-Ascend kernel that
     #: Ascend 950 replaces by its own fused op where the op takes the inputs: ``triton-ascend (950: torch_npu:<op>)``
@@ -125,7 +137,27 @@ class AscendKernels(Kernels):
 
     def for_conformance(self) -> "AscendKernels":
         """The strict view conformance checks: ops that cannot run here are not_supported, not the reference."""
-        return type(self)(strict=True, torch_npu=self._torch_npu)
+        view = type(self)(strict=True, torch_npu=self._torch_npu)
+        view.batch_invariant = self.batch_invariant
+        return view
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Batch-invariant mode (see ``Kernels``): on the NPU, torch's deterministic algorithms and
+        ``HCCL_DETERMINISTIC`` (``deterministic.py``); every op this set runs itself takes the reference's
+        batch-invariant path (a strict set raises ``NotSupportedError`` for it)."""
+        super().set_batch_invariant(enabled)
+        if self._torch_npu is None and load_torch_npu()[0] is not None:
+            set_deterministic(enabled)
+
+    def _reference(self) -> Kernels:
+        """The reference kernel set in this set's mode (``_REFERENCE``)."""
+        return _INVARIANT_REFERENCE if self.batch_invariant else _REFERENCE
+
+    def _not_batch_invariant(self, op: str, reference: Callable[[], R]) -> R:
+        """``op`` in batch-invariant mode: the reference's path, or ``NotSupportedError`` from a strict set."""
+        if self.strict and not is_disabled(op):
+            raise NotSupportedError(no_batch_invariance_reason(op, self._PATHS.get(op, TRITON)))
+        return reference()
 
     # -- routing -------------------------------------------------------------
 
@@ -144,6 +176,8 @@ class AscendKernels(Kernels):
         """
         if is_disabled(op) or (op in self.failed and not self.strict):
             return reference()
+        if self.batch_invariant:
+            return self._not_batch_invariant(op, reference)
         module, reason = self._npu_module()
         if module is None or (self._torch_npu is None and not on_npu(*tensors)):
             if not self.strict:
@@ -173,6 +207,8 @@ class AscendKernels(Kernels):
         """Run the Triton-Ascend ``kernel`` when it can run here, else the reference (or raise when strict)."""
         if is_disabled(op) or any(t.dtype not in KERNEL_DTYPES for t in tensors if t.is_floating_point()):
             return reference()
+        if self.batch_invariant:
+            return self._not_batch_invariant(op, reference)
         if triton_can_run(*tensors):
             try:
                 return kernel()
@@ -199,6 +235,8 @@ class AscendKernels(Kernels):
         decides; ``one_format``: a kernel that reads pools of one record format), else the reference, which
         decodes only the rows it gathers; a strict set raises ``NotSupportedError`` instead of running the reference."""
         reason = "no Triton-Ascend kernel of it reads packed records" if kernel is None else packed_pool_reason(pool, one_format)
+        if self.batch_invariant:
+            return self._not_batch_invariant(op, reference)
         if reason is None:
             return self._triton(op, (*tensors, *pool.tensors()), kernel, reference)
         if self.strict and not is_disabled(op):
@@ -437,7 +475,7 @@ class AscendKernels(Kernels):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gates, Sinkhorn and collapse per token: ``npu_mhc_pre`` + ``npu_mhc_sinkhorn`` on Ascend 950 where they
         take the inputs (see ``npu_v4_ops.mhc_pre``), else the Triton-Ascend kernel (``triton_ascend_mhc``)."""
-        reference = lambda: _REFERENCE.mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)  # noqa: E731
+        reference = lambda: self._reference().mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)  # noqa: E731
         if x.shape[0] == 0:
             return reference()
 
@@ -532,7 +570,7 @@ class AscendKernels(Kernels):
         hc_eps: float,
     ) -> torch.Tensor:
         """The final collapse, the pre-gate half of ``mhc_pre``'s kernel (see ``triton_ascend_mhc``)."""
-        reference = lambda: _REFERENCE.mhc_head(x, fn, base, scale, norm_eps, hc_eps)  # noqa: E731
+        reference = lambda: self._reference().mhc_head(x, fn, base, scale, norm_eps, hc_eps)  # noqa: E731
         if x.shape[0] == 0:
             return reference()
 
@@ -655,7 +693,7 @@ class AscendKernels(Kernels):
         (``triton_ascend_kv_quant.pack_into``), no records in between."""
         if not isinstance(pool, PackedPool):
             return super().cache_write(pool, slots, values)
-        reference = lambda: _REFERENCE.cache_write(pool, slots, values)  # noqa: E731
+        reference = lambda: self._reference().cache_write(pool, slots, values)  # noqa: E731
         if slots.numel() == 0 or pool.shape[0] == 0:
             return reference()
 

@@ -7,6 +7,7 @@ class CPUBackend(Backend):
     """Always available; the reference every other backend is checked against."""
 
     name = "cpu"
+    interface_version = "1.7.0"  # the contract this bundle was written for
     device = "cpu"
     communicator = "torch-distributed"
     kernels = "reference"

@@ -9,6 +9,7 @@ from deepinfer_interfaces import Backend
 
 class CUDABackend(Backend):
     name = "cuda"
+    interface_version = "1.7.0"  # the contract this bundle was written for
     device = "cuda"
     communicator = "torch-distributed"
     kernels = "cuda"

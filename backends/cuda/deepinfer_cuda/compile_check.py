@@ -59,7 +59,8 @@ from deepinfer_interfaces import KVFormat
 from . import __path__ as _package_path
 from . import (
     triton_attention, triton_bitmask, triton_cache, triton_candidates, triton_compressor, triton_engram, triton_experts,
-    triton_fp8, triton_hadamard, triton_indexer, triton_long_context, triton_mhc, triton_moe, triton_norm, triton_records,
+    triton_fp8, triton_hadamard, triton_indexer, triton_linear, triton_long_context, triton_mhc, triton_moe, triton_norm,
+    triton_records,
     triton_rope, triton_sampling, triton_vit,
 )
 from .launch import SHARED_MEMORY_PER_BLOCK, Tiles, interpreting
@@ -722,6 +723,18 @@ def _experts(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) ->
     return out
 
 
+def _linear(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
+    """The batch-invariant dense linear: one tile shape for every batch, over a projection and the LM head."""
+    tokens = s.decode_tokens if phase == "decode" else s.prefill_tokens
+    dot, prec = dot_operands(dtype)
+    out = []
+    for (n, k), what in ((s.linear, "projection"), ((s.vocab, s.hidden), "lm head")):
+        args = dict(x_ptr=ptr(dtype), w_ptr=ptr(dtype), out_ptr=ptr(dtype), M=tokens, N=n, K=k, stride_x=k, stride_w=k,
+                    stride_o=n, DOT=dot, PREC=prec)
+        out += launch_cases("linear", triton_linear._linear_kernel, dt, args, triton_linear.linear_tiles(), f"{phase}, {what}")
+    return out
+
+
 def _fp8(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> list[Case]:
     tokens = s.decode_tokens if phase == "decode" else s.prefill_tokens
     n, k = s.linear
@@ -762,7 +775,7 @@ def _fp8(s: Shapes, dtype: torch.dtype, dt: str, phase: str, target: int) -> lis
 #: the case builders, one per kernel family
 BUILDERS: tuple[Callable[[Shapes, torch.dtype, str, str, int], list[Case]], ...] = (
     _norm, _rope, _sampling, _cache, _records, _hadamard, _attention, _long_context, _compressor, _mhc, _mhc_v41, _candidates,
-    _engram, _vit, _moe, _experts, _fp8,
+    _engram, _vit, _moe, _experts, _fp8, _linear,
 )
 
 

@@ -75,7 +75,21 @@ def _readable_table(codes: torch.Tensor, scales: torch.Tensor | None) -> bool:
 
 
 class CUDAKernels(Kernels):
+    """The Triton kernel set. In batch-invariant mode (``set_batch_invariant``) no launch splits a reduction to
+    fill the device, the GEMM-like kernels use one tile height whatever the batch, and the dense ``linear`` runs
+    a fixed-tile Triton GEMM instead of cuBLAS (whose algorithm choice follows the batch size)."""
+
     name = "cuda"
+    interface_version = "1.7.0"  # the contract this kernel set was written for
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Dense linear: torch's GEMM by default; in batch-invariant mode a fixed-tile Triton GEMM (see ``Kernels.linear``)."""
+        if not self.batch_invariant or x.numel() == 0 or not _model_dtypes(x, weight) or x.dtype != weight.dtype:
+            return super().linear(x, weight)
+        check_device("linear", x, weight)
+        from .triton_linear import invariant_linear
+
+        return invariant_linear(x, weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """RMSNorm, one Triton program per row (see ``Kernels.rms_norm``)."""
@@ -185,7 +199,7 @@ class CUDAKernels(Kernels):
         check_device("sparse_attention", q, *_storage(kv), indices, sinks)
         from .triton_attention import sparse_attention
 
-        return sparse_attention(q, kv, indices, sinks, scale)
+        return sparse_attention(q, kv, indices, sinks, scale, invariant=self.batch_invariant)
 
     def indexer_scores(
         self, q: torch.Tensor, weights: torch.Tensor, keys: "torch.Tensor | PackedPool", indices: torch.Tensor, scale: float
@@ -219,7 +233,7 @@ class CUDAKernels(Kernels):
 
         if topk_width(k, n) > MAX_TOPK:  # wider than the registers hold: the reference, tiled too
             return super().indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)
-        return indexer_topk(q, weights, keys, table, token_seq, visible, scale, k)
+        return indexer_topk(q, weights, keys, table, token_seq, visible, scale, k, invariant=self.batch_invariant)
 
     def entry_attention(
         self,
@@ -239,7 +253,7 @@ class CUDAKernels(Kernels):
         check_device("entry_attention", q, *_storage(kv), indices, table, token_seq, visible, sinks)
         from .triton_long_context import entry_attention
 
-        return entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale)
+        return entry_attention(q, kv, indices, table, token_seq, visible, sinks, scale, invariant=self.batch_invariant)
 
     def candidate_blocks(self, scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
         """Block maxima, then the top blocks by bisection on their keys, without a host sync (see ``Kernels.candidate_blocks``)."""
@@ -282,7 +296,7 @@ class CUDAKernels(Kernels):
         check_device("mhc_pre", x, fn, base, scale)
         from .triton_mhc import mhc_pre
 
-        return mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return mhc_pre(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, invariant=self.batch_invariant)
 
     def mhc_mix(
         self,
@@ -300,7 +314,7 @@ class CUDAKernels(Kernels):
         check_device("mhc_mix", x, fn, base, scale)
         from .triton_mhc import mhc_mix
 
-        return mhc_mix(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return mhc_mix(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, invariant=self.batch_invariant)
 
     def mhc_collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """The weighted sum of the streams, ``mhc_pre``'s collapse with ``pre`` given (see ``Kernels.mhc_collapse``)."""
@@ -329,7 +343,7 @@ class CUDAKernels(Kernels):
         check_device("mhc_head", x, fn, base, scale)
         from .triton_mhc import mhc_head
 
-        return mhc_head(x, fn, base, scale, norm_eps, hc_eps)
+        return mhc_head(x, fn, base, scale, norm_eps, hc_eps, invariant=self.batch_invariant)
 
     def vit_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
@@ -449,7 +463,7 @@ class CUDAKernels(Kernels):
         check_device("moe_experts", x, topk_ids, topk_weights, w13, w2)
         from .triton_experts import moe_experts
 
-        return moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+        return moe_experts(x, topk_ids, topk_weights, w13, w2, limit, invariant=self.batch_invariant)
 
     def fp8_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         """Block-scaled GEMM: FP8 tensor cores over per-token e4m3 activations where the GPU has them,
@@ -462,7 +476,7 @@ class CUDAKernels(Kernels):
         check_device("fp8_linear", x, weight.codes, weight.scales)
         from .triton_fp8 import fp8_linear
 
-        return fp8_linear(x, weight)
+        return fp8_linear(x, weight, invariant=self.batch_invariant)
 
     def moe_experts_quantized(
         self,
@@ -485,4 +499,4 @@ class CUDAKernels(Kernels):
         check_device("moe_experts_quantized", x, topk_ids, topk_weights, w13.codes, w13.scales, w2.codes, w2.scales)
         from .triton_experts import moe_experts
 
-        return moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+        return moe_experts(x, topk_ids, topk_weights, w13, w2, limit, invariant=self.batch_invariant)

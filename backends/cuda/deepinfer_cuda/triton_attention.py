@@ -29,7 +29,7 @@ from deepinfer_interfaces import PackedPool
 
 from .launch import Tiles, autotune_configs, choose, next_power_of_2, unit_inner
 from .pool_operand import kernel_pool
-from .triton_common import dot_operands, split_count, target_programs
+from .triton_common import dot_operands, programs_target, split_count
 from .triton_records import pool_rows
 
 #: log2(e): scores and sinks are kept in the log2 domain so the softmax uses exp2
@@ -230,10 +230,11 @@ def check_attention_shapes(
 
 
 def sparse_attention(
-    q: torch.Tensor, kv: "torch.Tensor | PackedPool", indices: torch.Tensor, sinks: torch.Tensor, scale: float
+    q: torch.Tensor, kv: "torch.Tensor | PackedPool", indices: torch.Tensor, sinks: torch.Tensor, scale: float,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """``Kernels.sparse_attention`` on the device for ``T >= 1`` tokens and ``K >= 1`` indices; ``kv`` plain rows or
-    packed records (decoded in registers)."""
+    packed records (decoded in registers). ``invariant``: batch-invariant mode (each token's indices never split)."""
     check_attention_shapes("sparse_attention", q, kv, indices, sinks)
     tokens, heads, dim = q.shape
     q = unit_inner(q)
@@ -246,7 +247,7 @@ def sparse_attention(
     tiles = attention_tiles(heads, dim)
     head_blocks = triton.cdiv(heads, tiles.blocks["BLOCK_H"])
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
-    splits, slice_len = attention_slices(tokens, heads, k, target_programs(q.device))
+    splits, slice_len = attention_slices(tokens, heads, k, programs_target(q.device, invariant))
     common = dict(DOT=dot, PREC=prec, **pool.constants(), **tiles.kwargs())
     qk_scale = float(scale) * LOG2E.value
     kv, kv2, stride_kv, stride_kv2, split_row = pool.args()

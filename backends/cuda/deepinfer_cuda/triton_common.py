@@ -50,6 +50,12 @@ def target_programs(device: torch.device) -> int:
     return PROGRAMS_PER_SM * _multiprocessors(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def programs_target(device: torch.device, invariant: bool) -> int:
+    """``target_programs``, or 1 in batch-invariant mode: no reduction is then split to fill the device, so how
+    a token's sums are cut never depends on how many tokens share the launch."""
+    return 1 if invariant else target_programs(device)
+
+
 def split_count(programs: int, length: int, chunk: int, target: int, max_splits: int = 32) -> int:
     """How many slices to cut a reduction of ``length`` into (each at least ``chunk`` long)
     so that ``programs`` programs per slice reach ``target`` programs (``target_programs`` of the

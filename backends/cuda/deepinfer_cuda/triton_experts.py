@@ -150,10 +150,13 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, E, D, TOPK, stride_y, stride_o, BLOCK_D
     tl.store(out_ptr + t * stride_o + d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def block_m_for(pairs: int, experts: int) -> int:
-    """Rows per tile: small tiles when each expert gets few rows (decode), larger ones for prefill."""
+def block_m_for(pairs: int, experts: int, invariant: bool = False) -> int:
+    """Rows per tile: small tiles when each expert gets few rows (decode), larger ones for prefill; one
+    height (32) whatever the batch in batch-invariant mode."""
     if interpreting():
         return 8
+    if invariant:
+        return 32
     per_expert = pairs / max(1, min(experts, pairs))
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
@@ -203,9 +206,10 @@ def moe_experts(
     w13: torch.Tensor | QuantizedWeight,
     w2: torch.Tensor | QuantizedWeight,
     limit: float | None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """``Kernels.moe_experts`` (plain weights) or ``moe_experts_quantized`` (``QuantizedWeight`` stacks)
-    on the device, for ``T >= 1`` tokens and ``k >= 1`` slots."""
+    on the device, for ``T >= 1`` tokens and ``k >= 1`` slots; ``invariant``: batch-invariant mode."""
     up, down = WeightOperand.of(w13), WeightOperand.of(w2)
     if x.dim() != 2 or topk_ids.dim() != 2 or len(up.shape) != 3 or len(down.shape) != 3:
         raise ValueError(
@@ -228,7 +232,7 @@ def moe_experts(
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.contiguous()
     dev = x.device
-    block_m = block_m_for(tokens * top_k, experts)
+    block_m = block_m_for(tokens * top_k, experts, invariant)
     pairs, block_expert = align_by_expert(ids, experts, block_m)
     tiles = block_expert.numel()
     dot, prec = dot_operands(x.dtype)

@@ -31,7 +31,7 @@ import triton.language as tl
 from deepinfer_interfaces.quant import QuantizedWeight
 
 from .launch import Tiles, autotune_configs, choose, interpreting, rows
-from .triton_common import dot_operands, split_count, target_programs
+from .triton_common import dot_operands, programs_target, split_count
 from .triton_dequant import E4M3, WeightOperand, scale_to_float, weight_dot
 
 #: activation columns one e4m3 scale covers, and the FP8 GEMM's K step
@@ -188,10 +188,13 @@ def act_quant_tiles() -> Tiles:
     return Tiles({"BLOCK_T": block_t, "GROUP": GROUP}, num_warps=4 if block_t >= 16 else 1)
 
 
-def block_m_for(tokens: int) -> int:
-    """Output rows per tile: the smallest MMA tile that holds a decode batch, up to 128 for prefill."""
+def block_m_for(tokens: int, invariant: bool = False) -> int:
+    """Output rows per tile: the smallest MMA tile that holds a decode batch, up to 128 for prefill; one
+    height (64) whatever the batch in batch-invariant mode."""
     if interpreting():
         return 8
+    if invariant:
+        return 64
     return 16 if tokens <= 16 else 32 if tokens <= 32 else 64 if tokens <= 64 else 128
 
 
@@ -209,8 +212,9 @@ def k_slices(m_tiles: int, n: int, k: int, step: int, target: int) -> tuple[int,
     return triton.cdiv(k, slice_k), slice_k
 
 
-def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, fp8_dot: bool | None = None) -> torch.Tensor:
-    """``Kernels.fp8_linear`` on the device for ``x`` ``[T, K]``, ``T >= 1``; ``fp8_dot`` forces a path (None: ``uses_fp8_dot``)."""
+def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, fp8_dot: bool | None = None, invariant: bool = False) -> torch.Tensor:
+    """``Kernels.fp8_linear`` on the device for ``x`` ``[T, K]``, ``T >= 1``; ``fp8_dot`` forces a path (None: ``uses_fp8_dot``).
+    ``invariant``: batch-invariant mode (one tile height whatever ``T``, K never split)."""
     op = WeightOperand.of(weight)
     n, k = op.shape
     if x.dim() != 2 or x.shape[-1] != k:
@@ -220,8 +224,8 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, fp8_dot: bool | None = 
         raise ValueError(f"fp8_linear: the FP8 path needs e4m3 codes in blocks of a multiple of {GROUP} columns; got {weight.fmt} {weight.block}")
     x = rows(x, k)
     t = x.shape[0]
-    block_m = block_m_for(t)
-    splits, slice_k = k_slices(triton.cdiv(t, block_m), n, k, k_step(fp8_dot), target_programs(x.device))
+    block_m = block_m_for(t, invariant)
+    splits, slice_k = k_slices(triton.cdiv(t, block_m), n, k, k_step(fp8_dot), programs_target(x.device, invariant))
     out = torch.empty(splits, t, n, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(t, block_m), triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
     if fp8_dot:

@@ -40,7 +40,7 @@ from .triton_attention import (
     LOG2E, PACKED_ROWS, _merge_slices_kernel, attention_slices, attention_tiles, check_attention_shapes, head_block_query,
     keep_configs, merge_tiles, softmax_absorb, softmax_start, softmax_store,
 )
-from .triton_common import dot_operands, split_count, target_programs
+from .triton_common import dot_operands, programs_target, split_count
 from .triton_indexer import indexer_query, indexer_row_scores, indexer_tiles
 from .triton_records import pool_rows
 
@@ -178,7 +178,7 @@ def _check_tables(op: str, tokens: int, table: torch.Tensor, token_seq: torch.Te
 
 def indexer_topk(
     q: torch.Tensor, weights: torch.Tensor, keys: "torch.Tensor | PackedPool", table: torch.Tensor, token_seq: torch.Tensor,
-    visible: torch.Tensor, scale: float, k: int,
+    visible: torch.Tensor, scale: float, k: int, invariant: bool = False,
 ) -> torch.Tensor:
     """``Kernels.indexer_topk`` on the device for ``T >= 1`` tokens, ``N >= 1`` entries and ``1 <= k``,
     ``next_power_of_2(min(k, N)) <= MAX_TOPK``; ``keys`` plain rows or packed records (decoded in registers).
@@ -207,7 +207,7 @@ def indexer_topk(
     if k > k_pad:
         out[:, k_pad:] = -1  # fewer candidates than k_pad exist
     dot, prec = dot_operands(q.dtype)
-    splits, slice_len = topk_slices(tokens, k, n, target_programs(q.device))
+    splits, slice_len = topk_slices(tokens, k, n, programs_target(q.device, invariant))
     part = torch.empty(tokens, splits, k_pad, dtype=torch.int64, device=q.device) if splits > 1 else out
     keys, keys2, stride_k, stride_k2, split_row = pool.args()
     _indexer_topk_kernel[(tokens, splits)](
@@ -283,7 +283,7 @@ def _entry_attention_kernel(
 
 def entry_attention(
     q: torch.Tensor, kv: "torch.Tensor | PackedPool", indices: torch.Tensor, table: torch.Tensor, token_seq: torch.Tensor,
-    visible: torch.Tensor, sinks: torch.Tensor, scale: float,
+    visible: torch.Tensor, sinks: torch.Tensor, scale: float, invariant: bool = False,
 ) -> torch.Tensor:
     """``Kernels.entry_attention`` on the device for ``T >= 1`` tokens; ``kv`` plain rows or packed records (decoded
     in registers). Allocates the ``[T, H, D]`` output (and ``[T, S <= 32, H, D]`` fp32 partials at decode), never ``[T, N, ·]``."""
@@ -302,7 +302,7 @@ def entry_attention(
     tiles = attention_tiles(heads, dim)
     head_blocks = triton.cdiv(heads, tiles.blocks["BLOCK_H"])
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
-    splits, slice_len = attention_slices(tokens, heads, length, target_programs(q.device))
+    splits, slice_len = attention_slices(tokens, heads, length, programs_target(q.device, invariant))
     common = dict(DOT=dot, PREC=prec, **pool.constants(), **tiles.kwargs())
     qk_scale = float(scale) * LOG2E.value
     # an empty list's pointer is never read; pass a live int64 tensor in its place

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .launch import Tiles, choose, interpreting, next_power_of_2, num_warps_for, unit_inner
-from .triton_common import split_count, target_programs
+from .triton_common import programs_target, split_count
 
 
 @triton.jit
@@ -251,7 +251,7 @@ class Mixed:
 
 def _mix_and_finish(
     x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    norm_eps: float, hc_eps: float, iters: int, head: bool, collapse: bool = True,
+    norm_eps: float, hc_eps: float, iters: int, head: bool, collapse: bool = True, invariant: bool = False,
 ) -> Mixed:
     """The mixing matmul, then the finishing kernel: collapsing with the site's own ``pre`` (``collapse``) or storing it."""
     tokens, n, dim = x.shape
@@ -268,7 +268,7 @@ def _mix_and_finish(
     kd = n * dim
     mix = mix_tiles(n, head)
     token_blocks = triton.cdiv(tokens, mix.blocks["BLOCK_T"])
-    splits, slice_len = mix_slices(tokens, n, dim, target_programs(dev))
+    splits, slice_len = mix_slices(tokens, n, dim, programs_target(dev, invariant))
     part = torch.empty(splits, tokens, mix.blocks["BLOCK_U"], dtype=torch.float32, device=dev)
     sq = torch.empty(splits, tokens, dtype=torch.float32, device=dev)
     _mix_kernel[(token_blocks, splits)](
@@ -294,27 +294,31 @@ def _mix_and_finish(
 
 def mhc_pre(
     x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    norm_eps: float, hc_eps: float, sinkhorn_iters: int,
+    norm_eps: float, hc_eps: float, sinkhorn_iters: int, invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``Kernels.mhc_pre`` on the device for ``T >= 1`` tokens: the collapse fused into the finishing kernel."""
-    got = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False)
+    got = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False, invariant=invariant)
     assert got.out is not None and got.post is not None and got.comb is not None
     return got.out, got.post, got.comb
 
 
 def mhc_mix(
     x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    norm_eps: float, hc_eps: float, sinkhorn_iters: int,
+    norm_eps: float, hc_eps: float, sinkhorn_iters: int, invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``Kernels.mhc_mix`` on the device for ``T >= 1`` tokens: ``mhc_pre``'s kernels with the collapse off."""
-    got = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False, collapse=False)
+    got = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False, collapse=False,
+                          invariant=invariant)
     assert got.pre is not None and got.post is not None and got.comb is not None
     return got.pre, got.post, got.comb
 
 
-def mhc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float) -> torch.Tensor:
+def mhc_head(
+    x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float,
+    invariant: bool = False,
+) -> torch.Tensor:
     """``Kernels.mhc_head`` on the device for ``T >= 1`` tokens."""
-    got = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, 0, head=True)
+    got = _mix_and_finish(_streams(x), fn, base, scale, norm_eps, hc_eps, 0, head=True, invariant=invariant)
     assert got.out is not None
     return got.out
 

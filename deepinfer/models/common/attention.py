@@ -46,7 +46,8 @@ class Indexer(ParamTree):
     def __call__(
         self, k: Kernels, projected: list[torch.Tensor], q_lat: torch.Tensor, meta: LayerMeta, cache: ModelCache, layer: int
     ) -> torch.Tensor:
-        """``[T, min(topk, N)]`` kv-pool rows of the chosen entries (-1: none); ``projected`` is
+        """``[T, min(topk, N)]`` kv-pool rows of the chosen entries (-1: none; ``[T, topk]`` in batch-invariant
+        mode, so the attention's width does not follow the longest context in the step); ``projected`` is
         this step's ``weights_proj``, compressor kv and gate outputs."""
         head_weights, kv, gate = projected
         keys = cache.index_pool(layer)
@@ -55,7 +56,7 @@ class Indexer(ParamTree):
         q = linear(k, q_lat, self.wq_b).view(q_lat.shape[0], self.heads, self.dim)
         q = round_as_cached(k, k.rope(q, meta.cos, meta.sin), cache.formats.index, rotate)
         picks = k.indexer_topk(q, head_weights * self.heads**-0.5, keys, meta.seq_index, meta.token_seq, meta.visible,
-                               self.dim**-0.5, min(self.topk, meta.entries))
+                               self.dim**-0.5, self.topk if k.batch_invariant else min(self.topk, meta.entries))
         return meta.entry_rows(picks)
 
 
@@ -157,4 +158,6 @@ def grouped_output(k: Kernels, grouped: torch.Tensor, wo_a, groups: int) -> torc
         rows = wo_a.shape[0] // groups
         return torch.cat([linear(k, grouped[:, g], wo_a.rows(g * rows, (g + 1) * rows)) for g in range(groups)], dim=-1)
     w = wo_a.view(groups, -1, grouped.shape[-1])
+    if k.batch_invariant:  # one row-tiled product per group: a token's result then has one shape whatever the batch
+        return torch.cat([k.linear(grouped[:, g], w[g]) for g in range(groups)], dim=-1)
     return torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, wo_a.shape[0])

@@ -434,17 +434,17 @@ class DSparkDraft(ParamTree):
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head over ``hidden`` states ``[..., D]`` (normed here): what does not depend on the previous token."""
-        return self.kernels.rms_norm(h, self.norm, self.eps) @ self.head.t()
+        return self.kernels.linear(self.kernels.rms_norm(h, self.norm, self.eps), self.head)
 
     def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """The Markov head's bias ``markov_w2 · markov_w1[previous token]`` over the vocabulary."""
-        return self.markov_w1[prev_ids] @ self.markov_w2.t()
+        return self.kernels.linear(self.markov_w1[prev_ids], self.markov_w2)
 
     def accept_logit(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """The confidence head's fp32 logit that a position survives verification given that the earlier ones did,
         from its ``hidden`` state ``[..., D]`` and its previous token ``[...]`` (never from its own token)."""
         feats = torch.cat([h.float(), self.markov_w1[prev_ids].float()], dim=-1)
-        return (feats @ self.conf_w.t())[..., 0]
+        return self.kernels.linear(feats, self.conf_w)[..., 0]
 
     def accept_probs(self, logit: torch.Tensor) -> torch.Tensor:
         """``[..., γ]`` calibrated survival chances of confidence logits ``[..., γ]``: ``sigmoid(logit / T_i)``."""

@@ -154,10 +154,10 @@ def linear_param(tree: ParamTree, name: str, out_features: int, in_features: int
 
 
 def linear(k: Kernels, x: torch.Tensor, weight) -> torch.Tensor:
-    """``x @ weightᵀ`` for either storage."""
+    """``x @ weightᵀ`` for either storage, through the kernels (so batch-invariant mode reaches it)."""
     if isinstance(weight, QuantizedWeight):
         return k.fp8_linear(x, weight)
-    return x @ weight.t()
+    return k.linear(x, weight)
 
 
 def weight_bytes(weight) -> int:

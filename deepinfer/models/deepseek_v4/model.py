@@ -81,4 +81,4 @@ class DeepseekV4Model(CausalLM):
         rows = streams[inputs.logits_indices]
         h = k.mhc_head(rows, self.hc_fn, self.hc_base, self.hc_scale, c.rms_norm_eps, c.hc_eps)
         h = k.rms_norm(h, self.norm, c.rms_norm_eps)
-        return h @ self.head.t()
+        return k.linear(h, self.head)

@@ -188,7 +188,7 @@ class DeepseekV41Model(CausalLM):
                 self.hidden_states[layer.index] = mean
         out = inputs.logits_indices if rows is None else inputs.tail_logits
         h = k.mhc_collapse(streams[out], pre[out])
-        return k.rms_norm(h, self.norm, c.rms_norm_eps) @ self.head.t()
+        return k.linear(k.rms_norm(h, self.norm, c.rms_norm_eps), self.head)
 
     def ngrams(self, inputs: ForwardInputs, cache: ModelCache) -> torch.Tensor:
         """``[T, N]`` compressed ids of each token's n-gram (itself first, then the ones before it; the pad id

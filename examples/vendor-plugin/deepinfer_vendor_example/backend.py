@@ -7,6 +7,7 @@ from .device import ExampleDevice
 
 class ExampleBackend(Backend):
     name = "example"
+    interface_version = "1.7.0"  # the contract this bundle was written for
     device = "example"
     communicator = "torch-distributed"
     kernels = "example"

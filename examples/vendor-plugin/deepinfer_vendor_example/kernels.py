@@ -13,6 +13,7 @@ from deepinfer_interfaces import Kernels
 
 class ExampleKernels(Kernels):
     name = "example"
+    interface_version = "1.7.0"  # the contract this kernel set was written for
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         xf = x.float()

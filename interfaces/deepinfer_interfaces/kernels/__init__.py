@@ -18,6 +18,8 @@ from .compressor import CompressorOps
 from .engram import EngramOps
 from .indexer import IndexerOps
 from .kv_quant import KVQuantOps
+from .invariant import INVARIANT_TILE_ROWS, lanewise, row_tiled_matmul
+from .linear import LinearOps
 from .mhc import MHCOps
 from .moe import MoEOps
 from .norm import NormOps
@@ -29,6 +31,7 @@ from .vit import VitOps
 
 class Kernels(
     NormOps,
+    LinearOps,
     RopeOps,
     SamplingOps,
     BitmaskOps,
@@ -43,12 +46,45 @@ class Kernels(
     KVQuantOps,
     VitOps,
 ):
-    """The reference kernel set, in plain PyTorch; its methods are the specification."""
+    """The reference kernel set, in plain PyTorch; its methods are the specification.
+
+    Batch-invariant mode (the engine's deterministic mode): ``set_batch_invariant(True)``
+    switches it on, ``batch_invariant`` reads it (off by default). While it is on,
+    every op in ``batch_invariant_ops()`` (those whose ``@op`` marker names its
+    ``rows``) gives, for each row, a result bitwise independent of the other rows
+    in the call, of their number and order, and so of how a prompt was cut into
+    chunks: fixed reduction splits, fixed tile shapes and order, no atomics whose
+    order varies. Ops outside that set make no such promise. A kernel set that
+    cannot keep the promise raises ``NotSupportedError`` (one line: why) from
+    ``set_batch_invariant(True)``; a subclass that overrides it calls
+    ``super().set_batch_invariant`` once it has switched its own paths.
+    """
 
     #: entry-point name of this kernel set
     name: ClassVar[str] = "reference"
-    #: the contract version this kernel set was written against
+    #: the contract version this kernel set was written for; a plugin's set declares its own (never inherited
+    #: from here), and features newer than it run the reference (``deepinfer_interfaces.versioned``)
     interface_version: ClassVar[str] = INTERFACE_VERSION
+    #: names of features newer than ``interface_version`` that this set implements itself (``features.py``)
+    extra_features: ClassVar[tuple[str, ...]] = ()
+    #: the newer features the engine runs on the reference for this set (set on the class the registry builds)
+    routed_features: ClassVar[tuple] = ()
+    #: batch-invariant mode, off unless ``set_batch_invariant(True)`` turned it on
+    batch_invariant: bool = False
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Turn batch-invariant mode on or off for this kernel set (see the class docstring).
+
+        Raises ``NotSupportedError`` when this kernel set cannot be batch-invariant here.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_batch_invariant takes a bool, got {type(enabled).__name__}")
+        self.batch_invariant = enabled
+
+    @classmethod
+    def batch_invariant_ops(cls) -> dict[str, tuple[str, ...]]:
+        """The ops that promise batch invariance, each with the arguments whose leading dim is its row."""
+        return {n: getattr(Kernels, n)._deepinfer_rows for n in cls.ops() if getattr(Kernels, n)._deepinfer_rows}
 
     @classmethod
     def ops(cls) -> list[str]:
@@ -71,4 +107,4 @@ class Kernels(
         return [n for n in cls.ops() if getattr(cls, n) is not getattr(Kernels, n)]
 
 
-__all__ = ["Kernels", "op", "acc_dtype", "unpack_bitmask"]
+__all__ = ["INVARIANT_TILE_ROWS", "Kernels", "op", "acc_dtype", "lanewise", "row_tiled_matmul", "unpack_bitmask"]

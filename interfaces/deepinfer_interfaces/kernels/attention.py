@@ -9,7 +9,7 @@ from .tiles import TILE_ELEMENTS, TILE_TOKENS, TileScratch, entry_tiles, take_ro
 
 
 class AttentionOps:
-    @op
+    @op(rows=("q", "indices"))
     def sparse_attention(
         self,
         q: torch.Tensor,
@@ -51,7 +51,7 @@ class AttentionOps:
             outs.append(torch.einsum("thk,tkd->thd", probs, rows))
         return torch.cat(outs).to(q.dtype)
 
-    @op
+    @op(rows=("q", "indices", "token_seq", "visible"))
     def entry_attention(
         self,
         q: torch.Tensor,
@@ -92,7 +92,8 @@ class AttentionOps:
                 rows = take_rows(kv, idx).to(acc)
                 scores = torch.bmm(qt, rows.transpose(1, 2)).mul_(scale)
                 run.absorb(scores.masked_fill_((idx < 0)[:, None, :], float("-inf")), lambda p: torch.bmm(p, rows))
-            for tile in entry_tiles(kv, table, token_seq[t0:t1], visible[t0:t1], h, acc, scratch=scratch):
+            tiles = entry_tiles(kv, table, token_seq[t0:t1], visible[t0:t1], h, acc, scratch=scratch, invariant=self.batch_invariant)
+            for tile in tiles:
                 scores = tile.dots(qt, scratch).mul_(scale)
                 run.absorb(scores.masked_fill_(tile.invalid[:, None, :], float("-inf")), tile.weighted_rows)
             out[t0:t1] = run.result().to(q.dtype)

@@ -15,7 +15,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class BitmaskOps:
-    @op
+    @op(rows=("logits", "bitmask"))
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         """Set ``logits[b, v] = -inf`` where bit ``v`` of row ``b`` is 0; in place, returns ``logits``.
 

@@ -9,7 +9,7 @@ from .base import acc_dtype, op
 
 
 class CompressorOps:
-    @op
+    @op(rows=("indices", "prev_indices"))
     def compress_kv(
         self,
         kv: torch.Tensor,

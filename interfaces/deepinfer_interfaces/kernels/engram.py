@@ -6,13 +6,14 @@ import torch
 
 from ..quant import QuantizedWeight
 from .base import acc_dtype, op
+from .invariant import elementwise
 
 #: channels of a table row one UE8M0 scale covers
 ENGRAM_SCALE_BLOCK = 32
 
 
 class EngramOps:
-    @op
+    @op(rows=("tokens",))
     def engram_hash(
         self,
         tokens: torch.Tensor,
@@ -55,7 +56,7 @@ class EngramOps:
         # divides in lanes outside the slice and raises ZeroDivisionError inside a compiled decode graph
         return torch.cat(columns, dim=1) + offsets.to(torch.int64)
 
-    @op
+    @op(rows=("ids",))
     def engram_lookup(
         self,
         codes: torch.Tensor,
@@ -103,7 +104,7 @@ class EngramOps:
         weight = QuantizedWeight(rows, exps, (1, ENGRAM_SCALE_BLOCK), "e4m3")
         return weight.dequantize(dtype).view(t, c, head_dim)
 
-    @op
+    @op(rows=("streams", "key", "value"))
     def engram_inject(
         self,
         streams: torch.Tensor,
@@ -135,5 +136,5 @@ class EngramOps:
         h, q = streams.to(acc), key.to(acc)
         rstd = torch.rsqrt(h.pow(2).mean(-1) + eps) * torch.rsqrt(q.pow(2).mean(-1) + eps)  # [T, n]
         dot = (h * weight.to(acc) * q).sum(-1) * rstd * d**-0.5
-        gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
+        gate = elementwise(torch.sigmoid, self.batch_invariant, torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
         return (h + gate[..., None] * value.to(acc)[:, None, :]).to(streams.dtype)

@@ -11,7 +11,7 @@ from .base import acc_dtype, op
 
 
 class IndexerOps:
-    @op
+    @op(rows=("q", "weights", "indices"))
     def indexer_scores(
         self,
         q: torch.Tensor,
@@ -30,17 +30,23 @@ class IndexerOps:
 
         and ``-inf`` where ``indices[t, j] == -1``. Returned in fp32 (fp64 for
         fp64 inputs) whatever the input dtype, since only the ranking is used.
+        In batch-invariant mode both contractions are per-token batched
+        products (one shape per token, whatever the batch).
         """
         t, k = indices.shape
         acc = acc_dtype(q)
         if t == 0 or k == 0:
             return torch.empty(t, k, dtype=acc, device=q.device)
         rows = take_rows(keys, indices).to(acc)  # [T, K, D]; padded columns are masked below
-        dots = torch.relu(torch.einsum("thd,tkd->thk", q.to(acc), rows))
-        scores = torch.einsum("thk,th->tk", dots, weights.to(acc)) * scale
+        if self.batch_invariant:
+            dots = torch.bmm(q.to(acc), rows.transpose(1, 2)).relu_()
+            scores = torch.bmm(weights.to(acc)[:, None, :], dots).squeeze(1) * scale
+        else:
+            dots = torch.relu(torch.einsum("thd,tkd->thk", q.to(acc), rows))
+            scores = torch.einsum("thk,th->tk", dots, weights.to(acc)) * scale
         return scores.masked_fill(indices < 0, float("-inf"))
 
-    @op
+    @op(rows=("scores", "values"))
     def topk_select(self, scores: torch.Tensor, values: torch.Tensor, k: int) -> torch.Tensor:
         """The ``values`` at the ``k`` highest ``scores`` of each row.
 
@@ -60,7 +66,7 @@ class IndexerOps:
         out[:, :take] = torch.where(finite, picked, torch.full_like(picked, -1))
         return out
 
-    @op
+    @op(rows=("q", "weights", "token_seq", "visible"))
     def indexer_topk(
         self,
         q: torch.Tensor,
@@ -98,12 +104,14 @@ class IndexerOps:
         for t0, t1 in token_tiles(t):
             qt, wt = q[t0:t1].to(acc), weights[t0:t1].to(acc)[:, None, :]
             best.start(t1 - t0)
-            for tile in entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc, scratch=scratch):
+            tiles = entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc, scratch=scratch,
+                                invariant=self.batch_invariant)
+            for tile in tiles:
                 best.merge(tile_scores(tile, qt, wt, scale, scratch), tile.start)
             out[t0:t1] = best.entries()
         return out
 
-    @op
+    @op(rows=("q", "weights", "token_seq", "visible"))
     def indexer_block_topk(
         self,
         q: torch.Tensor,
@@ -142,7 +150,9 @@ class IndexerOps:
             qt, wt = q[t0:t1].to(acc), weights[t0:t1].to(acc)[:, None, :]
             pinned = torch.div(visible[t0:t1] - 1, block_size, rounding_mode="floor").masked_fill(visible[t0:t1] <= 0, -1)
             best.start(t1 - t0)
-            for tile in entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc, align=block_size, scratch=scratch):
+            tiles = entry_tiles(keys, table, token_seq[t0:t1], visible[t0:t1], heads, acc, align=block_size, scratch=scratch,
+                                invariant=self.batch_invariant)
+            for tile in tiles:
                 scores = tile_scores(tile, qt, wt, scale, scratch)
                 blocks = -(-scores.shape[1] // block_size)
                 padded = torch.nn.functional.pad(scores, (0, blocks * block_size - scores.shape[1]), value=float("-inf"))
@@ -156,7 +166,7 @@ class IndexerOps:
             out[t0:t1] = ordered.masked_fill(ordered == last, -1)
         return out
 
-    @op
+    @op(rows=("scores", "visible"))
     def candidate_blocks(self, scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
         """The columns of the ``topk_blocks`` best blocks of each row (V4.1's candidate source).
 

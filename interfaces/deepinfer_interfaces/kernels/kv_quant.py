@@ -6,6 +6,7 @@ import torch
 
 from ..kv_format import KVFormat, pack_rows, unpack_rows
 from .base import acc_dtype, op
+from .invariant import matmul_rows
 
 _HADAMARD: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -25,7 +26,7 @@ def hadamard_matrix(d: int, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 class KVQuantOps:
-    @op
+    @op(rows=("values",))
     def kv_pack(self, values: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
         """``[n, fmt.record_bytes]`` uint8 records of ``values`` ``[n, fmt.dim]``.
 
@@ -41,13 +42,13 @@ class KVQuantOps:
         """
         return pack_rows(values, fmt)
 
-    @op
+    @op(rows=("records",))
     def kv_unpack(self, records: torch.Tensor, fmt: KVFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``[n, fmt.dim]`` rows of ``records`` ``[n, fmt.record_bytes]`` in ``dtype``: each code's value
         times its block's scale (exact in fp32), the rope channels as stored."""
         return unpack_rows(records, fmt, dtype)
 
-    @op
+    @op(rows=("x",))
     def hadamard(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., d]`` times the orthonormal Walsh–Hadamard matrix ``H_d / √d`` along its last dim
         (``d`` a power of two; ``H_{2n} = [[H_n, H_n], [H_n, −H_n]]``, so output channel ``j`` is
@@ -55,4 +56,4 @@ class KVQuantOps:
         acc = acc_dtype(x)
         if x.numel() == 0:
             return x.clone()
-        return (x.to(acc) @ hadamard_matrix(x.shape[-1], acc, x.device)).to(x.dtype)
+        return matmul_rows(x.to(acc), hadamard_matrix(x.shape[-1], acc, x.device), self.batch_invariant).to(x.dtype)

@@ -15,17 +15,18 @@ from __future__ import annotations
 import torch
 
 from .base import acc_dtype, op
+from .invariant import elementwise, matmul_rows
 
 
-def _mix_logits(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, acc: torch.dtype) -> torch.Tensor:
-    """Unweighted RMS norm of the flattened streams, then the linear map ``fn``."""
+def _mix_logits(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, acc: torch.dtype, invariant: bool) -> torch.Tensor:
+    """Unweighted RMS norm of the flattened streams, then the linear map ``fn`` (row-tiled when ``invariant``)."""
     flat = x.flatten(1).to(acc)
     flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
-    return flat @ fn.to(acc).t()
+    return matmul_rows(flat, fn.to(acc).t(), invariant)
 
 
 class MHCOps:
-    @op
+    @op(rows=("x",))
     def mhc_mix(
         self,
         x: torch.Tensor,
@@ -57,13 +58,13 @@ class MHCOps:
         """
         acc = acc_dtype(x)
         n = x.shape[1]
-        u = _mix_logits(x, fn, norm_eps, acc)
+        u = _mix_logits(x, fn, norm_eps, acc, self.batch_invariant)
         u_pre, u_post, u_comb = u.split([n, n, n * n], dim=-1)
         b = base.to(acc)
         b_pre, b_post, b_comb = b.split([n, n, n * n])
         s = scale.to(acc)
-        pre = torch.sigmoid(u_pre * s[0] + b_pre) + hc_eps
-        post = 2 * torch.sigmoid(u_post * s[1] + b_post)
+        pre = elementwise(torch.sigmoid, self.batch_invariant, u_pre * s[0] + b_pre) + hc_eps
+        post = 2 * elementwise(torch.sigmoid, self.batch_invariant, u_post * s[1] + b_post)
         comb = torch.softmax(u_comb.view(-1, n, n) * s[2] + b_comb.view(n, n), dim=-1) + hc_eps
         # Sinkhorn on a [j, k, T] copy: both sums then run over a leading dim of contiguous token vectors
         # (eps as a 0-dim tensor of the same dtype: the same value as the float, without wrapping it each time)
@@ -75,7 +76,7 @@ class MHCOps:
             c = c / (c.sum(dim=0, keepdim=True) + eps)
         return pre, post, c.permute(2, 0, 1).contiguous()
 
-    @op
+    @op(rows=("x", "pre"))
     def mhc_collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """The block input a hyper-connection feeds: the streams summed with the weights ``pre``.
 
@@ -89,7 +90,7 @@ class MHCOps:
         acc = acc_dtype(x)
         return (pre.to(acc)[..., None] * x.to(acc)).sum(dim=1).to(x.dtype)
 
-    @op
+    @op(rows=("x",))
     def mhc_pre(
         self,
         x: torch.Tensor,
@@ -109,7 +110,7 @@ class MHCOps:
         pre, post, comb = self.mhc_mix(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
         return self.mhc_collapse(x, pre), post, comb
 
-    @op
+    @op(rows=("y", "x", "post", "comb"))
     def mhc_post(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """Expand a block's output back into ``n`` streams and add the mixed residual.
 
@@ -125,7 +126,7 @@ class MHCOps:
         mixed = torch.einsum("tjk,tjd->tkd", comb.to(acc), x.to(acc))
         return (post.to(acc)[..., None] * y.to(acc)[:, None, :] + mixed).to(x.dtype)
 
-    @op
+    @op(rows=("x",))
     def mhc_head(
         self,
         x: torch.Tensor,
@@ -145,6 +146,6 @@ class MHCOps:
         Computed in fp32 (fp64 for fp64 x), returned ``[T, D]`` in ``x.dtype``.
         """
         acc = acc_dtype(x)
-        u = _mix_logits(x, fn, norm_eps, acc)
-        pre = torch.sigmoid(u * scale.to(acc) + base.to(acc)) + hc_eps
+        u = _mix_logits(x, fn, norm_eps, acc, self.batch_invariant)
+        pre = elementwise(torch.sigmoid, self.batch_invariant, u * scale.to(acc) + base.to(acc)) + hc_eps
         return self.mhc_collapse(x, pre)

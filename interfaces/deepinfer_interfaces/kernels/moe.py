@@ -8,28 +8,29 @@ from typing import Any, Callable
 import torch
 
 from .base import acc_dtype, op
+from .invariant import INVARIANT_EXPERT_TILE, elementwise
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
 
-def router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
-    """Per-expert scores from router logits, in fp32 (fp64 for fp64 logits)."""
+def router_scores(logits: torch.Tensor, scoring: str, invariant: bool = False) -> torch.Tensor:
+    """Per-expert scores from router logits, in fp32 (fp64 for fp64 logits); ``invariant``: batch-invariant."""
     z = logits.to(acc_dtype(logits))
     if scoring == "sqrtsoftplus":
-        return torch.nn.functional.softplus(z).sqrt()
+        return elementwise(torch.nn.functional.softplus, invariant, z).sqrt()
     if scoring == "sigmoid":
-        return torch.sigmoid(z)
+        return elementwise(torch.sigmoid, invariant, z)
     if scoring == "softmax":
         return torch.softmax(z, dim=-1)
     raise ValueError(f"unknown router scoring function {scoring!r}; expected one of {', '.join(SCORING_FUNCS)}")
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """``silu(min(gate, limit)) · clamp(up, −limit, limit)`` in the inputs' dtype."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None, invariant: bool = False) -> torch.Tensor:
+    """``silu(min(gate, limit)) · clamp(up, −limit, limit)`` in the inputs' dtype; ``invariant``: batch-invariant."""
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-    return torch.nn.functional.silu(gate) * up
+    return elementwise(torch.nn.functional.silu, invariant, gate) * up
 
 
 def _weights(scores: torch.Tensor, ids: torch.Tensor, routed_scaling: float, renormalize: bool) -> torch.Tensor:
@@ -40,7 +41,7 @@ def _weights(scores: torch.Tensor, ids: torch.Tensor, routed_scaling: float, ren
 
 
 class MoEOps:
-    @op
+    @op(rows=("logits",))
     def moe_route(
         self,
         logits: torch.Tensor,
@@ -63,12 +64,12 @@ class MoEOps:
         Returns ``(weights [T, top_k]`` in fp32 (fp64 for fp64 logits),
         ``ids [T, top_k]`` int64).
         """
-        scores = router_scores(logits, scoring)
+        scores = router_scores(logits, scoring, self.batch_invariant)
         choice = scores if bias is None else scores + bias.to(scores.dtype)
         ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
         return _weights(scores, ids, routed_scaling, renormalize), ids
 
-    @op
+    @op(rows=("logits", "token_ids"))
     def hash_route(
         self,
         logits: torch.Tensor,
@@ -85,11 +86,11 @@ class MoEOps:
         exactly as in ``moe_route``. Returns ``(weights [T, top_k]`` fp32,
         ``ids [T, top_k]`` int64).
         """
-        scores = router_scores(logits, scoring)
+        scores = router_scores(logits, scoring, self.batch_invariant)
         ids = tid2eid[token_ids].to(torch.int64)
         return _weights(scores, ids, routed_scaling, renormalize), ids
 
-    @op
+    @op(rows=("gate", "up"))
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
         """Clamped SwiGLU: ``silu(min(gate, limit)) · clamp(up, −limit, limit)``.
 
@@ -97,9 +98,9 @@ class MoEOps:
         returned in ``gate.dtype``.
         """
         acc = acc_dtype(gate)
-        return clamped_swiglu(gate.to(acc), up.to(acc), limit).to(gate.dtype)
+        return clamped_swiglu(gate.to(acc), up.to(acc), limit, self.batch_invariant).to(gate.dtype)
 
-    @op
+    @op(rows=("x", "topk_ids", "topk_weights"))
     def moe_experts(
         self,
         x: torch.Tensor,
@@ -121,10 +122,11 @@ class MoEOps:
         Computed in fp32 (fp64 for fp64 x), returned in ``x.dtype``. Nothing
         here waits for the device: small problems run every expert on every
         token and keep the chosen results, larger ones run the (token, expert)
-        pairs grouped by expert in fixed-size tiles.
+        pairs grouped by expert in fixed-size tiles. In batch-invariant mode
+        every problem takes the grouped path, in tiles of a fixed row count.
         """
         acc = acc_dtype(x)
-        return expert_mlp(x, topk_ids, topk_weights, w13, w2, limit, lambda w, index: w[index].to(acc))
+        return expert_mlp(x, topk_ids, topk_weights, w13, w2, limit, lambda w, index: w[index].to(acc), self.batch_invariant)
 
 
 #: token x expert rows up to which running every expert on every token is cheaper than grouping
@@ -138,13 +140,16 @@ _STEP_ELEMENTS = 1 << 24
 ExpertFetch = Callable[[Any, Any], torch.Tensor]
 
 
-def expert_mlp(x, topk_ids, topk_weights, w13, w2, limit, fetch: ExpertFetch) -> torch.Tensor:
+def expert_mlp(x, topk_ids, topk_weights, w13, w2, limit, fetch: ExpertFetch, invariant: bool = False) -> torch.Tensor:
     """``moe_experts`` for any storage of the stacked weights; ``fetch`` decodes the experts a step needs.
 
     Nothing here waits for the device: small problems run every expert on every
     token and keep the chosen results, larger ones run the (token, expert) pairs
     grouped by expert in fixed-size tiles. Either way at most about
-    ``_STEP_ELEMENTS`` weight elements are decoded at a time.
+    ``_STEP_ELEMENTS`` weight elements are decoded at a time. ``invariant``
+    (batch-invariant mode) always groups, in tiles of ``INVARIANT_EXPERT_TILE``
+    pairs: a token's products then have one shape whatever the batch, and its
+    experts' outputs are summed in expert order.
     """
     t, d = x.shape
     num_experts = w13.shape[0]
@@ -152,10 +157,10 @@ def expert_mlp(x, topk_ids, topk_weights, w13, w2, limit, fetch: ExpertFetch) ->
         return x.new_zeros(t, d)
     valid = (topk_ids >= 0) & (topk_ids < num_experts)
     step = max(1, _STEP_ELEMENTS // max(w13.shape[1] * w13.shape[2], 1))
-    if t * num_experts <= _DENSE_ROWS:
+    if t * num_experts <= _DENSE_ROWS and not invariant:
         out = _dense_experts(x, topk_ids, topk_weights, valid, w13, w2, limit, fetch, step)
     else:
-        out = _grouped_experts(x, topk_ids, topk_weights, valid, w13, w2, limit, fetch, step)
+        out = _grouped_experts(x, topk_ids, topk_weights, valid, w13, w2, limit, fetch, step, invariant)
     return out.to(x.dtype)
 
 
@@ -179,7 +184,7 @@ def _dense_experts(x, ids, weights, valid, w13, w2, limit, fetch: ExpertFetch, s
     return out
 
 
-def _grouped_experts(x, ids, weights, valid, w13, w2, limit, fetch: ExpertFetch, step: int) -> torch.Tensor:
+def _grouped_experts(x, ids, weights, valid, w13, w2, limit, fetch: ExpertFetch, step: int, invariant: bool = False) -> torch.Tensor:
     """The pairs sorted by expert, each expert's run padded to whole tiles, one batched matmul per projection.
 
     The tile count is bounded by ``pairs / tile + experts`` whatever the routing,
@@ -192,7 +197,7 @@ def _grouped_experts(x, ids, weights, valid, w13, w2, limit, fetch: ExpertFetch,
     pairs = t * k
     # each tile copies one expert's weights and each expert's run wastes about half a tile:
     # tiles near sqrt(pairs / experts) (times the copy-to-compute cost ratio) balance the two
-    tile = min(_MAX_TILE, 1 << max(0, math.isqrt(40 * pairs // e).bit_length() - 1))
+    tile = INVARIANT_EXPERT_TILE if invariant else min(_MAX_TILE, 1 << max(0, math.isqrt(40 * pairs // e).bit_length() - 1))
     expert = torch.where(valid, ids, e).flatten()  # skipped pairs sort after every expert
     order = torch.argsort(expert, stable=True)
     counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device).scatter_add_(0, expert, torch.ones_like(expert))[:e]
@@ -217,7 +222,7 @@ def _grouped_experts(x, ids, weights, valid, w13, w2, limit, fetch: ExpertFetch,
         rows_ab = slice(a * tile, b * tile)
         experts_ab = tile_expert[a:b]
         h = torch.bmm(xf[token[rows_ab]].view(b - a, tile, d), fetch(w13, experts_ab).transpose(1, 2))
-        act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit)
+        act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit, invariant)
         act = torch.where(used[rows_ab].view(b - a, tile, 1), act * w[rows_ab].view(b - a, tile, 1), 0)
         y = torch.bmm(act, fetch(w2, experts_ab).transpose(1, 2)).view((b - a) * tile, d)
         out.index_add_(0, token[rows_ab], y)

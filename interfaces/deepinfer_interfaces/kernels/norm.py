@@ -8,7 +8,7 @@ from .base import acc_dtype, op
 
 
 class NormOps:
-    @op
+    @op(rows=("x",))
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """Root-mean-square norm over the last dim: ``x / sqrt(mean(x²) + eps) * weight``.
 

@@ -11,6 +11,7 @@ import torch
 
 from ..quant import QuantizedWeight
 from .base import acc_dtype, op
+from .invariant import matmul_rows
 from .moe import expert_mlp
 
 #: elements of weight one reference step dequantizes at most
@@ -18,7 +19,7 @@ _TILE_ELEMENTS = 1 << 24
 
 
 class QuantOps:
-    @op
+    @op(rows=("x",))
     def fp8_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         """``x @ Wᵀ`` for a block-scaled weight ``W`` ``[N, K]`` (see ``QuantizedWeight``).
 
@@ -35,10 +36,11 @@ class QuantOps:
         xf = x.to(acc)
         bn = weight.block[0]
         step = max(bn, (_TILE_ELEMENTS // max(k, 1)) // bn * bn)
-        parts = [xf @ weight.rows(r, min(r + step, n)).dequantize(acc).t() for r in range(0, n, step)]
+        parts = [matmul_rows(xf, weight.rows(r, min(r + step, n)).dequantize(acc).t(), self.batch_invariant)
+                 for r in range(0, n, step)]
         return torch.cat(parts, dim=-1).to(x.dtype) if len(parts) > 1 else parts[0].to(x.dtype)
 
-    @op
+    @op(rows=("x", "topk_ids", "topk_weights"))
     def moe_experts_quantized(
         self,
         x: torch.Tensor,
@@ -57,4 +59,5 @@ class QuantOps:
         dequantized weights, returned in ``x.dtype``.
         """
         acc = acc_dtype(x)
-        return expert_mlp(x, topk_ids, topk_weights, w13, w2, limit, lambda w, index: w.map(lambda t: t[index]).dequantize(acc))
+        fetch = lambda w, index: w.map(lambda t: t[index]).dequantize(acc)  # noqa: E731
+        return expert_mlp(x, topk_ids, topk_weights, w13, w2, limit, fetch, self.batch_invariant)

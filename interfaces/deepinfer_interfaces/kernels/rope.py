@@ -8,7 +8,7 @@ from .base import acc_dtype, op
 
 
 class RopeOps:
-    @op
+    @op(rows=("x", "cos", "sin"))
     def rope(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
     ) -> torch.Tensor:

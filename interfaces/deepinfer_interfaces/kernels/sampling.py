@@ -9,7 +9,7 @@ from .base import op
 
 
 class SamplingOps:
-    @op
+    @op(rows=("logits", "temperature", "top_k", "top_p", "min_p", "noise"))
     def sample(
         self,
         logits: torch.Tensor,
@@ -42,7 +42,7 @@ class SamplingOps:
         race = torch.where(keep, probs / noise.float(), torch.full_like(probs, -1.0))
         return torch.where(greedy, lf.argmax(-1), race.argmax(-1))
 
-    @op
+    @op(rows=("logits", "temperature", "top_k", "top_p", "min_p"))
     def sampling_probs(
         self,
         logits: torch.Tensor,

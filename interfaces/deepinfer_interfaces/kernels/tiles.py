@@ -18,6 +18,7 @@ from math import prod
 import torch
 
 from ..packed_pool import PackedPool
+from .invariant import INVARIANT_ENTRY_TILE
 
 
 def take_rows(pool: "torch.Tensor | PackedPool", indices: torch.Tensor) -> torch.Tensor:
@@ -118,19 +119,28 @@ def token_tiles(tokens: int) -> Iterator[tuple[int, int]]:
 
 def entry_tiles(
     pool: torch.Tensor, table: torch.Tensor, seq: torch.Tensor, visible: torch.Tensor, heads: int, dtype: torch.dtype,
-    align: int = 1, scratch: TileScratch | None = None,
+    align: int = 1, scratch: TileScratch | None = None, invariant: bool = False,
 ) -> Iterator[EntryTile]:
     """The tiles of entries of ``table [B, N]`` seen by a tile of tokens (``seq``, ``visible``: ``[tt]``),
     their rows of ``pool`` read in ``dtype``; ``heads``: scores per token-entry pair; every tile but the
     last starts and ends on a multiple of ``align`` (whole blocks of entries). With ``scratch`` each tile's
-    ``invalid`` mask is its ``"invalid"`` buffer, valid until the next tile."""
+    ``invalid`` mask is its ``"invalid"`` buffer, valid until the next tile. ``invariant`` (batch-invariant
+    mode): every tile exactly ``INVARIANT_ENTRY_TILE`` entries wide (whole blocks; the last padded with
+    entries naming no row) and each token's own rows, so a token's products have one shape whatever the
+    other tokens and the table's width; the extra fully masked tiles a longer neighbour adds leave a
+    running softmax or top-k bit for bit as it was."""
     b, n = table.shape
     tt = seq.shape[0]
-    step = max(align, entry_tile(tt, b, heads, pool.shape[-1], n) // align * align)
-    shared = b <= SHARED_KEY_SEQS
+    if invariant:
+        step = -(-INVARIANT_ENTRY_TILE // align) * align
+    else:
+        step = max(align, entry_tile(tt, b, heads, pool.shape[-1], n) // align * align)
+    shared = b <= SHARED_KEY_SEQS and not invariant
     for n0 in range(0, n, step):
-        n1 = min(n, n0 + step)
+        n1 = n0 + step if invariant else min(n, n0 + step)
         part = table[:, n0:n1]
+        if part.shape[1] < n1 - n0:
+            part = torch.nn.functional.pad(part, (0, n1 - n0 - part.shape[1]), value=-1)
         cols = torch.arange(n0, n1, device=table.device)[None, :]
         invalid = scratch.take("invalid", (tt, n1 - n0), torch.bool) if scratch is not None else None
         invalid = torch.ge(cols, visible[:, None], out=invalid)

@@ -3,13 +3,15 @@ sequence, fully masked rows (sink only), dominant sinks, no candidates, repeated
 one token, one head, V4-Flash's shapes (64 heads of 512, a window of 128 plus 512
 indexer picks) and a long index list; empty batch; packed pools (V4's FP8 rows with bf16
 rotary channels, V4.1's FP4 entries and FP8 window rows in one pool, narrow rows). A
-relative-RMS limit catches sums kept in 16 bits over the long lists."""
+relative-RMS limit catches sums kept in 16 bits over the long lists; the accumulation case (2048 rows of
+equal weight that push the output sum up and back down) fails them outright."""
 
 import torch
 
 from ..kv_format import KVFormat
 from .kv_formats import SMALL_ENTRY, SMALL_KV, SMALL_WINDOW, V4_KV, V41_ENTRY, V41_WINDOW, packed_pool
 from .shapes import HEAD_DIM, HEADS, INDEX_TOPK, WINDOW
+from .accumulation import SIXTEEN_BIT, rise_then_fall
 from .spec import RMS_LIMITS, Case, OpSpec, randn, register, seeded
 
 
@@ -40,7 +42,21 @@ def _cases() -> list[Case]:
         Case("one_token_one_head", dict(q=randn(1, 1, d, gen=g), kv=randn(5, d, gen=g), indices=torch.tensor([[4, 3, 2, -1]]), sinks=randn(1, gen=g), scale=scale)),
         *_real_cases(g),
         *_packed_cases(g),
+        _accumulation_case(),
     ]
+
+
+def _accumulation_case() -> Case:
+    """Two tokens over 2048 rows in order (the second in reverse), every score 0 (q = 0): weights of exactly 1,
+    an output sum that climbs to 1024 · 32 and returns near zero, a normaliser of 2049."""
+    rows, d = 2048, 64
+    order = torch.arange(rows)
+    return Case(
+        "accumulation_t2_h4_d64_2048_rows_rise_then_fall",
+        dict(q=torch.zeros(2, 4, d), kv=rise_then_fall(rows, d, seeded(101)), indices=torch.stack([order, order.flip(0)]),
+             sinks=torch.zeros(4), scale=d**-0.5),
+        dtypes=SIXTEEN_BIT, accumulation=True,
+    )
 
 
 def _packed(g: torch.Generator, tokens: int, heads: int, parts: list[tuple[int, KVFormat]], picks: int) -> dict:
@@ -87,4 +103,5 @@ def _real_cases(g: torch.Generator) -> list[Case]:
 register(OpSpec(
     op="sparse_attention", cases=_cases, cast=("q", "kv"), rms_limits=RMS_LIMITS,
     rms_reason="softmax-weighted sums over up to 2176 rows: a kernel that keeps its output accumulator in bf16 between key tiles loses several roundings' worth",
+    accumulation="the softmax normaliser (the sink included) and the weighted sum of rows, in fp32, across every tile of rows",
 ))

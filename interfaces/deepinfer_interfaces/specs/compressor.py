@@ -2,10 +2,12 @@
 predecessor, partially and fully absent windows, a slot absent in the middle of a window,
 gates that overflow exp without the max taken out, one row, V4-Flash's windows (128 tokens of
 512 channels, overlapping windows of 4 over 2 × 512), empty batch. A relative-RMS limit
-catches sums kept in 16 bits over the 128-token windows."""
+catches sums kept in 16 bits over the 128-token windows; the accumulation case (equal gates,
+windows whose pooled sum climbs and returns) fails them outright."""
 
 import torch
 
+from .accumulation import SIXTEEN_BIT, rise_then_fall
 from .shapes import CSA_RATIO, HCA_RATIO, HEAD_DIM
 from .spec import RMS_LIMITS, Case, OpSpec, randn, register, seeded
 
@@ -40,7 +42,21 @@ def _cases() -> list[Case]:
         Case("hca_one_row_m128_c512", _real(g, [0], HCA_RATIO, HEAD_DIM, overlap=False)),
         Case("hca_e2_m128_c512_partial", dict(_real(g, [0, 128], HCA_RATIO, HEAD_DIM, overlap=False), indices=_partial(_windows([0, 128], HCA_RATIO), 1, 77))),
         Case("csa_e3_m4_c1024_overlap", _real(g, [0, 4, 8], CSA_RATIO, 2 * HEAD_DIM, overlap=True)),
+        _accumulation_case(),
     ]
+
+
+def _accumulation_case() -> Case:
+    """Two V4-Flash HCA windows (128 tokens of 512 channels) with zero gates and bias: every weight exactly 1,
+    a pooled sum that climbs to 64 · 32 over each window's first half and returns near zero over the second."""
+    g = seeded(102)
+    m, c = HCA_RATIO, HEAD_DIM
+    kv = torch.cat([rise_then_fall(m, c, g), rise_then_fall(m, c, g).flip(0)])
+    return Case(
+        "accumulation_hca_e2_m128_c512_rise_then_fall",
+        dict(kv=kv, gate=torch.zeros(2 * m, c), position_bias=torch.zeros(m, c), indices=_windows([0, m], m), prev_indices=None),
+        dtypes=SIXTEEN_BIT, accumulation=True,
+    )
 
 
 def _partial(idx: torch.Tensor, row: int, filled: int) -> torch.Tensor:
@@ -61,4 +77,5 @@ def _real(g: torch.Generator, starts: list[int], m: int, c: int, overlap: bool) 
 register(OpSpec(
     op="compress_kv", cases=_cases, cast=("kv", "gate"), rms_limits=RMS_LIMITS,
     rms_reason="softmax-weighted sums over windows of 128 tokens: kept in bf16 they lose several roundings",
+    accumulation="the softmax normaliser and the weighted sum over each window's slots (both series of an overlapping window), in fp32",
 ))

@@ -7,6 +7,7 @@ get a relative-RMS limit for their 4096- and 2048-long sums."""
 
 import torch
 
+from .accumulation import SIXTEEN_BIT, rise_then_fall
 from .shapes import EXPERTS, HIDDEN, MOE_INTER, ROUTED_SCALING, TOP_K, VOCAB
 from .spec import RMS_LIMITS, Case, OpSpec, randn, register, seeded
 
@@ -93,7 +94,18 @@ def _expert_cases() -> list[Case]:
         Case("empty_batch", _experts(g, 0, 8, 4, 3, torch.empty(0, 2, dtype=torch.int64), 10.0)),
         Case("one_token", _experts(g, 1, 16, 8, 4, torch.tensor([[3, 1]]), 1.0)),
         Case("one_token_d4096_i2048_k6_real_width", _real_experts(g), dtypes=(torch.float32, torch.bfloat16)),
+        Case("accumulation_t2_d4096_i16_k2_rise_then_fall", _accumulation_experts(), dtypes=SIXTEEN_BIT, accumulation=True),
     ]
+
+
+def _accumulation_experts() -> dict:
+    """Two tokens of ones through both of two experts at V4-Flash's hidden size, each gate/up row +1 over the first
+    2048 channels and -1 over the rest (noise of 1/64): every 4096-long dot climbs to 2048 and returns to about 1."""
+    g = seeded(103)
+    e, i = 2, 16
+    w13 = torch.stack([rise_then_fall(HIDDEN, 2 * i, g, amplitude=1.0).t() for _ in range(e)])
+    return dict(x=torch.ones(2, HIDDEN), topk_ids=torch.tensor([[0, 1], [1, 0]]), topk_weights=torch.tensor([[0.75, 0.25], [0.5, 0.5]]),
+                w13=w13, w2=randn(e, HIDDEN, i, gen=g, scale=i**-0.5), limit=10.0)
 
 
 def _real_experts(g: torch.Generator) -> dict:
@@ -114,4 +126,6 @@ register(OpSpec(
     rms_reason=("two GEMMs of 4096- and 2048-long dots: partial sums kept in bf16 between K tiles lose several roundings "
                 "(1.6e-2 at the real width); bf16 allows 1e-2 because a backend may round the SwiGLU activation to bf16 "
                 "before the down projection (up to 7e-3 measured)"),
+    accumulation=("the gate/up and down projections' dot products and the weighted sum over a token's experts, in fp32 "
+                  "(each expert's output may be rounded to x's dtype before that sum, as grouped GEMMs store it)"),
 ))

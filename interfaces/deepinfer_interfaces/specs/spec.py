@@ -51,6 +51,10 @@ class Case:
     kwargs: dict[str, Any]
     #: the dtypes this case runs in (None: every dtype of its spec); for the costliest real-shape cases
     dtypes: tuple[torch.dtype, ...] | None = None
+    #: an accumulation case: values and length chosen so that a sum the spec's ``accumulation`` rule keeps in
+    #: fp32 misses by many times the tolerance when kept in 16 bits; judged with no quality-warning band
+    #: (beyond tolerance fails)
+    accumulation: bool = False
 
 
 @dataclass
@@ -75,6 +79,9 @@ class OpSpec:
     #: each spec that sets them says why in ``rms_reason``, which docs/tolerances.md shows
     rms_limits: dict[torch.dtype, float] = field(default_factory=dict)
     rms_reason: str = ""
+    #: the sums this op must keep in fp32 (fp64 for fp64 inputs) whatever the dtype under test, in words, where
+    #: the model's numerics depend on them; its ``accumulation`` cases enforce it (docs/tolerances.md)
+    accumulation: str = ""
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
         return self.tolerances.get(dtype, TOLERANCES.get(dtype, TOLERANCES[torch.float32]))
@@ -95,6 +102,8 @@ def register(spec: OpSpec) -> OpSpec:
         raise ValueError(f"op spec for {spec.op!r} overrides the tolerance table without a reason; set tolerance_reason")
     if spec.rms_limits and not spec.rms_reason.strip():
         raise ValueError(f"op spec for {spec.op!r} sets relative-RMS limits without a reason; set rms_reason")
+    if spec.accumulation.strip() and spec.exact:
+        raise ValueError(f"op spec for {spec.op!r} states an accumulation rule but compares exactly; drop one")
     SPECS[spec.op] = spec
     return spec
 

@@ -20,16 +20,33 @@ OLD = {
 }
 VENDOR = {
     "deepinfer_test_vendor": """
-        from deepinfer_interfaces import Backend, Kernels
+        from deepinfer_interfaces import Backend, INTERFACE_VERSION, Kernels
         class VendorKernels(Kernels):
             name = "vendor"
+            interface_version = INTERFACE_VERSION
             def rms_norm(self, x, weight, eps):
                 return super().rms_norm(x, weight, eps)
         class VendorBackend(Backend):
             name = "vendor"
+            interface_version = INTERFACE_VERSION
             device = "cpu"
             kernels = "vendor"
             priority = 50
+            @classmethod
+            def is_available(cls):
+                return True, None
+    """
+}
+#: a bundle and a kernel set that state no contract version (Backend's and Kernels' own do not count)
+UNVERSIONED = {
+    "deepinfer_test_unversioned": """
+        from deepinfer_interfaces import Backend, Kernels
+        class UnversionedKernels(Kernels):
+            name = "unversioned"
+        class UnversionedBackend(Backend):
+            name = "unversioned"
+            device = "cpu"
+            kernels = "reference"
             @classmethod
             def is_available(cls):
                 return True, None
@@ -50,6 +67,15 @@ def plugin_dir(tmp_path):
         },
         VENDOR,
     )
+    make_plugin_dist(
+        tmp_path,
+        "unversioned-plugin",
+        {
+            "deepinfer.backends": {"unversioned": "deepinfer_test_unversioned:UnversionedBackend"},
+            "deepinfer.kernels": {"unversioned": "deepinfer_test_unversioned:UnversionedKernels"},
+        },
+        UNVERSIONED,
+    )
     return tmp_path
 
 
@@ -68,7 +94,9 @@ def test_backends_json_lists_plugins_from_installed_distributions(plugin_dir):
     rows = {r["name"]: r for r in json.loads(proc.stdout)}
     assert set(rows) >= {"cpu", "cuda", "ascend", "broken", "old", "vendor"}
     for row in rows.values():
-        assert set(row) == {"name", "available", "reason", "parts", "overrides", "interface_version", "package"}
+        assert set(row) == {"name", "available", "reason", "parts", "overrides", "interface_version", "package",
+                            "engine_interface_version", "routed_to_reference"}
+        assert row["engine_interface_version"] == INTERFACE_VERSION
     assert rows["broken"]["available"] is False
     assert "libfoo.so not found" in rows["broken"]["reason"]
     assert rows["broken"]["package"] == "broken-plugin"
@@ -76,6 +104,18 @@ def test_backends_json_lists_plugins_from_installed_distributions(plugin_dir):
     assert rows["vendor"]["available"] is True
     assert rows["vendor"]["overrides"] == ["rms_norm"]
     assert rows["vendor"]["package"] == "vendor-plugin"
+    assert rows["vendor"]["interface_version"] == INTERFACE_VERSION and rows["vendor"]["routed_to_reference"] == []
+    assert rows["unversioned"]["available"] is False and rows["unversioned"]["interface_version"] is None
+    assert "declares no interface_version: add interface_version" in rows["unversioned"]["reason"]
+
+
+@pytest.mark.parametrize("args", [["--backend", "unversioned"], ["--backend", "cpu", "--kernels", "unversioned"]])
+def test_plugin_without_a_declared_version_is_refused_in_one_line(plugin_dir, args):
+    proc = run_cli(["conformance", *args, "--ops", "rms_norm"], extra_path=plugin_dir)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "refused: declares no interface_version: add interface_version = " in line
+    assert "deepinfer_test_unversioned.Unversioned" in line and INTERFACE_VERSION in line
 
 
 def test_auto_picks_highest_priority_available(plugin_dir):
