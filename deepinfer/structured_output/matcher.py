@@ -55,13 +55,7 @@ class RequestGrammar:
 
     def validate_draft(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the grammar accepts in a row; the state is left as it was."""
-        n = 0
-        for t in tokens:
-            if not self.accept(t):
-                break
-            n += 1
-        self.rollback(n)
-        return n
+        return accepted_prefix(self, tokens)
 
     def reset(self) -> None:
         """Back to the start of the grammar, as for a request recomputed from its prompt."""
@@ -83,3 +77,15 @@ def fill_batch_bitmask(grammars: list[RequestGrammar | None], bitmask: torch.Ten
             g.fill_bitmask(bitmask, row)
             rows.append(row)
     return rows
+
+
+def accepted_prefix(grammar: "RequestGrammar", tokens: list[int]) -> int:
+    """How many leading ``tokens`` ``grammar`` (anything with ``accept`` and ``rollback``) accepts in a row,
+    its state left as it was."""
+    n = 0
+    for t in tokens:
+        if not grammar.accept(t):
+            break
+        n += 1
+    grammar.rollback(n)
+    return n

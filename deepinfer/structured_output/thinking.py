@@ -34,7 +34,7 @@ import torch
 
 from ..chat.deepseek_v4 import END_THINK, THINK
 from .bitmask import allow_only
-from .matcher import RequestGrammar
+from .matcher import RequestGrammar, accepted_prefix
 
 #: how many trailing prompt tokens are decoded to see whether the prompt opens reasoning
 _PROMPT_TAIL_TOKENS = 16
@@ -186,10 +186,4 @@ class ThinkingGate:
 
     def validate_draft(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` are allowed in a row; the state is left as it was."""
-        n = 0
-        for t in tokens:
-            if not self.accept(t):
-                break
-            n += 1
-        self.rollback(n)
-        return n
+        return accepted_prefix(self, tokens)

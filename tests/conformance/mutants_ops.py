@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_interfaces import Kernels
+from deepinfer_interfaces import INTERFACE_VERSION, Kernels
 from deepinfer_interfaces.kernels.tiles import take_rows
 
 
@@ -86,6 +86,7 @@ class TopkTieHighColumnKernels(Kernels):
     """Top-k selection that breaks equal scores towards the higher column (an unstable descending sort)."""
 
     name = "mutant-topk-tie-high-column"
+    interface_version = INTERFACE_VERSION
 
     def topk_select(self, scores, values, k):
         flipped = super().topk_select(scores.flip(-1), values.flip(-1), k)
@@ -96,6 +97,7 @@ class RouteTieHighExpertKernels(Kernels):
     """Expert choice that takes equal ``score + bias`` in descending expert order."""
 
     name = "mutant-route-tie-high-expert"
+    interface_version = INTERFACE_VERSION
 
     def moe_route(self, logits, bias, top_k, routed_scaling, scoring="sqrtsoftplus", renormalize=True):
         flip = None if bias is None else bias.flip(-1)
@@ -107,6 +109,7 @@ class DecodePathIgnoresPaddingKernels(Kernels):
     """Sparse attention whose one-token (decode) fast path reads ``-1`` indices as row 0."""
 
     name = "mutant-decode-ignores-padding"
+    interface_version = INTERFACE_VERSION
 
     def sparse_attention(self, q, kv, indices, sinks, scale):
         if q.shape[0] == 1:
@@ -118,6 +121,7 @@ class SqueezedRouteKernels(Kernels):
     """Routing that squeezes the token dim away, so a single token gets ``[top_k]`` outputs."""
 
     name = "mutant-squeezed-route"
+    interface_version = INTERFACE_VERSION
 
     def moe_route(self, logits, bias, top_k, routed_scaling, scoring="sqrtsoftplus", renormalize=True):
         weights, ids = super().moe_route(logits, bias, top_k, routed_scaling, scoring, renormalize)
@@ -128,6 +132,7 @@ class HeadDimTileKernels(Kernels):
     """Sparse attention whose score tile covers at most 256 channels: head dims past it lose the rest."""
 
     name = "mutant-head-dim-tile"
+    interface_version = INTERFACE_VERSION
 
     def sparse_attention(self, q, kv, indices, sinks, scale):
         if q.shape[-1] <= 256:
@@ -147,6 +152,7 @@ class WindowTileKernels(Kernels):
     """A KV compressor whose window loop stops at 64 slots: V4's 128-token windows lose their newer half."""
 
     name = "mutant-window-tile"
+    interface_version = INTERFACE_VERSION
 
     def compress_kv(self, kv, gate, position_bias, indices, prev_indices=None):
         if indices.shape[1] > 64:
@@ -159,6 +165,7 @@ class Bf16AccumAttentionKernels(Kernels):
     """Flash-style sparse attention that keeps its output accumulator in the input dtype between tiles of 64."""
 
     name = "mutant-bf16-accum-attention"
+    interface_version = INTERFACE_VERSION
 
     def sparse_attention(self, q, kv, indices, sinks, scale):
         return tiled_attention(q, kv, indices, sinks, scale, tile=64, keep=q.dtype)
@@ -169,6 +176,7 @@ class Bf16PoolingCompressorKernels(Kernels):
     the input dtype: a Triton loop over the window with a 16-bit accumulator."""
 
     name = "mutant-bf16-pooling-compressor"
+    interface_version = INTERFACE_VERSION
 
     def compress_kv(self, kv, gate, position_bias, indices, prev_indices=None):
         if indices.shape[0] == 0:
@@ -196,6 +204,7 @@ class Bf16SumOfSquaresKernels(Kernels):
     """RMSNorm whose sum of squares is kept in the input dtype between chunks of 64 channels."""
 
     name = "mutant-bf16-sum-of-squares"
+    interface_version = INTERFACE_VERSION
 
     def rms_norm(self, x, weight, eps):
         xf = x.float()
@@ -210,6 +219,7 @@ class Bf16AccumExpertsKernels(Kernels):
     """Grouped experts whose GEMMs keep their partial sums in the input dtype between K tiles of 64."""
 
     name = "mutant-bf16-accum-experts"
+    interface_version = INTERFACE_VERSION
 
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
         return expert_loop(self, x, topk_ids, topk_weights, w13, w2, limit, chunk=64, keep=x.dtype, reverse=False)
@@ -225,6 +235,7 @@ class EntryTopkTieHighKernels(Kernels):
     """The fused indexer top-k taking equal scores towards the higher entry (scores, then an unstable top-k)."""
 
     name = "mutant-entry-topk-tie-high"
+    interface_version = INTERFACE_VERSION
 
     def indexer_topk(self, q, weights, keys, table, token_seq, visible, scale, k):
         lists = visible_lists(table, token_seq, visible)
@@ -237,6 +248,7 @@ class EntryTopkFirstTilesKernels(Kernels):
     """The fused indexer top-k whose tile loop stops after 16,384 entries: long contexts lose the rest."""
 
     name = "mutant-entry-topk-first-tiles"
+    interface_version = INTERFACE_VERSION
 
     def indexer_topk(self, q, weights, keys, table, token_seq, visible, scale, k):
         return super().indexer_topk(q, weights, keys, table[:, :16384], token_seq, visible.clamp(max=16384), scale, k)
@@ -246,6 +258,7 @@ class EntryAttentionFirstTilesKernels(Kernels):
     """Attention over every entry whose tile loop stops after 4,096 entries."""
 
     name = "mutant-entry-attention-first-tiles"
+    interface_version = INTERFACE_VERSION
 
     def entry_attention(self, q, kv, indices, table, token_seq, visible, sinks, scale):
         return super().entry_attention(q, kv, indices, table[:, :4096], token_seq, visible.clamp(max=4096), sinks, scale)
@@ -257,6 +270,7 @@ class AlternativeKernels(Kernels):
     long-context ops over per-token lists in one piece."""
 
     name = "alternative-correct"
+    interface_version = INTERFACE_VERSION
 
     def sparse_attention(self, q, kv, indices, sinks, scale):
         return tiled_attention(q, kv, indices, sinks, scale, tile=32, keep=None, reverse=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import acc_dtype, op
+from .invariant import INVARIANT_TILE_ROWS
 from .tiles import TILE_ELEMENTS, TILE_TOKENS, TileScratch, entry_tiles, take_rows, token_tiles
 
 
@@ -39,17 +40,24 @@ class AttentionOps:
         acc = acc_dtype(q)
         # token tiles keep the gathered rows [tt, K, D] within a fixed bound however many tokens a chunk has
         per_tile = max(1, TILE_ELEMENTS // max(indices.shape[1] * max(d, h), 1))
+        if self.batch_invariant:
+            # every product has the same batch of tokens (the last tile padded with tokens that attend to
+            # nothing): a BLAS splits a lone product's long reduction across threads, a batch's it does not
+            per_tile = min(per_tile, INVARIANT_TILE_ROWS)
+            pad = -t % per_tile
+            q = torch.cat([q, q.new_zeros(pad, h, d)])
+            indices = torch.cat([indices, indices.new_full((pad, indices.shape[1]), -1)])
         outs = []
-        for t0 in range(0, t, per_tile):
+        for t0 in range(0, q.shape[0], per_tile):
             idx = indices[t0 : t0 + per_tile]
             rows = take_rows(kv, idx).to(acc)  # [tt, K, D]; padded rows get zero probability below
-            scores = torch.einsum("thd,tkd->thk", q[t0 : t0 + per_tile].to(acc), rows) * scale
+            scores = torch.bmm(q[t0 : t0 + per_tile].to(acc), rows.transpose(1, 2)) * scale
             scores = scores.masked_fill((idx < 0)[:, None, :], float("-inf"))
             sink = sinks.to(acc)[None, :, None].expand(idx.shape[0], h, 1)
             logits = torch.cat([scores, sink], dim=-1)
             probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
-            outs.append(torch.einsum("thk,tkd->thd", probs, rows))
-        return torch.cat(outs).to(q.dtype)
+            outs.append(torch.bmm(probs, rows))
+        return torch.cat(outs)[:t].to(q.dtype)
 
     @op(rows=("q", "indices", "token_seq", "visible"))
     def entry_attention(

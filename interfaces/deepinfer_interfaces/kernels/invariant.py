@@ -32,9 +32,12 @@ LANE = 64
 def row_tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     """``x @ w_t`` (``x`` ``[..., K]``, ``w_t`` ``[K, N]``) computed in tiles of a fixed row count.
 
-    All tiles run as one batched product of ``[tiles, INVARIANT_TILE_ROWS, K]``
-    by the same ``[K, N]``; a row's result depends on neither the other rows nor
-    its place in its tile (checked by the conformance suite's batch-invariance cases).
+    Every tile is its own ``[INVARIANT_TILE_ROWS, K] @ [K, N]`` product (the last
+    one padded with zero rows), so the BLAS makes the same choice of kernel and
+    of how to split the work across threads for every tile whatever the batch:
+    one batched call would let it split a lone tile's long reduction across
+    threads but not a batch's. A row's result depends on neither the other rows
+    nor its place in its tile (checked by the conformance suite's batch-invariance cases).
     """
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
@@ -44,9 +47,8 @@ def row_tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     pad = -m % INVARIANT_TILE_ROWS
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, k)])
-    tiles = flat.shape[0] // INVARIANT_TILE_ROWS
-    out = torch.bmm(flat.view(tiles, INVARIANT_TILE_ROWS, k), w_t.expand(tiles, k, n))
-    return out.view(-1, n)[:m].view(*lead, n)
+    tiles = [flat[r : r + INVARIANT_TILE_ROWS] @ w_t for r in range(0, flat.shape[0], INVARIANT_TILE_ROWS)]
+    return torch.cat(tiles)[:m].view(*lead, n)
 
 
 def matmul_rows(x: torch.Tensor, w_t: torch.Tensor, invariant: bool) -> torch.Tensor:

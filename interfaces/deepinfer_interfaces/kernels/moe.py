@@ -221,9 +221,18 @@ def _grouped_experts(x, ids, weights, valid, w13, w2, limit, fetch: ExpertFetch,
         b = min(a + step, tiles)
         rows_ab = slice(a * tile, b * tile)
         experts_ab = tile_expert[a:b]
-        h = torch.bmm(xf[token[rows_ab]].view(b - a, tile, d), fetch(w13, experts_ab).transpose(1, 2))
+        h = _tile_products(xf[token[rows_ab]].view(b - a, tile, d), fetch(w13, experts_ab).transpose(1, 2), invariant)
         act = clamped_swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit, invariant)
         act = torch.where(used[rows_ab].view(b - a, tile, 1), act * w[rows_ab].view(b - a, tile, 1), 0)
-        y = torch.bmm(act, fetch(w2, experts_ab).transpose(1, 2)).view((b - a) * tile, d)
+        y = _tile_products(act, fetch(w2, experts_ab).transpose(1, 2), invariant).view((b - a) * tile, d)
         out.index_add_(0, token[rows_ab], y)
     return out
+
+
+def _tile_products(a: torch.Tensor, b: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """``a[i] @ b[i]`` for every tile ``i``: one batched product, or in batch-invariant mode one product per
+    tile, so that a BLAS splits each tile's work the same way however many tiles the step has (a lone
+    product's long reduction may be split across threads, a batch's is not)."""
+    if not invariant:
+        return torch.bmm(a, b)
+    return torch.stack([a[i] @ b[i] for i in range(a.shape[0])])

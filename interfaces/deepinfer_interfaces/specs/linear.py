@@ -1,6 +1,6 @@
 """Dense linear cases: one token (a decode step), a batch wider than a tile, 3-D input (tokens × heads),
-an LM-head-like wide output, K=4096 real hidden width, an empty batch. A relative-RMS limit catches a
-product accumulated in 16 bits over the long rows."""
+an LM-head-like wide output, K=4096 real hidden width (also over several tiles into a narrow output), an
+empty batch. A relative-RMS limit catches a product accumulated in 16 bits over the long rows."""
 
 import torch
 
@@ -16,6 +16,9 @@ def _cases() -> list[Case]:
         Case("t3_h4_k32_n16_3d", dict(x=randn(3, 4, 32, gen=g), weight=randn(16, 32, gen=g, scale=32**-0.5))),
         Case("t5_k64_n2048_head_like", dict(x=randn(5, 64, gen=g), weight=randn(2048, 64, gen=g, scale=0.125))),
         Case("t2_k4096_n64_real_hidden", dict(x=randn(2, HIDDEN, gen=g), weight=randn(64, HIDDEN, gen=g, scale=HIDDEN**-0.5))),
+        # several tiles of long rows into a narrow output: a lone tile's long reduction is what a BLAS splits
+        # across threads, so a batch-invariant product must not compute a row alone differently
+        Case("t40_k4096_n8_tiles_of_long_rows", dict(x=randn(40, HIDDEN, gen=g), weight=randn(8, HIDDEN, gen=g, scale=HIDDEN**-0.5))),
         Case("empty_batch", dict(x=torch.empty(0, 32), weight=randn(8, 32, gen=g))),
     ]
 
