@@ -1,6 +1,7 @@
-"""Deterministic mode through ``deepinfer serve``: a PD pair gives the offline colocated engine's token ids and
-logprobs bit for bit for the probe (greedy, and seeded at temperature 0.8): the decode side continues exactly
-where the prefill side stopped, its first token's logprobs included. (EP 2 is checked offline, in
+"""Deterministic mode through ``deepinfer serve``: a colocated server (its own batches and adaptive speculation,
+the probe sent among other requests) and a PD pair give the offline engine's token ids and logprobs bit for bit
+for the probe (greedy, and seeded at temperature 0.8 with ``n = 3``): the decode side continues exactly where
+the prefill side stopped, its first token's logprobs included. (EP 2 is checked offline, in
 ``tests/engine/test_deterministic.py``: a server at EP 2 takes half a minute to start on this machine.)"""
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ SEEDED = {**BODY, "temperature": 0.8, "seed": SEED}
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """A prefill server and a decode server, both deterministic, started side by side."""
+    """A prefill server, a decode server and a colocated server, all deterministic, started side by side."""
     log_dir = tmp_path_factory.mktemp("deterministic")
     procs = [ServerProcess(["--deterministic", *args], log_dir=log_dir) for args in
-             (["--disaggregation-mode", "prefill"], ["--disaggregation-mode", "decode"])]
+             (["--disaggregation-mode", "prefill"], ["--disaggregation-mode", "decode"], [])]
     with ExitStack() as stack:
         for p in procs:
             stack.callback(p.close)
@@ -64,7 +65,21 @@ def _split(prefill: str, decode: str, body: dict) -> list[dict]:
     return _choices(decode, {**body, "kv_transfer_params": first.json()["kv_transfer_params"]})
 
 
+def test_colocated_server_among_other_requests_equals_offline(servers, offline):
+    url = servers[2].url
+    others = [{"model": "tiny-v4", "prompt": f"item {i}: " + "x" * (7 * i), "max_tokens": 4 + 3 * i, "ignore_eos": True,
+               "temperature": 0.8 * (i % 2)} for i in range(8)]
+    with ThreadPoolExecutor(12) as pool:
+        noise = [pool.submit(_choices, url, body) for body in others[:4]]
+        greedy = pool.submit(_choices, url, GREEDY)
+        seeded = pool.submit(_choices, url, {**SEEDED, "n": 3})
+        noise += [pool.submit(_choices, url, body) for body in others[4:]]
+        assert greedy.result() == offline["greedy"]
+        assert seeded.result() == offline["seeded"]
+        assert all(len(f.result()) == 1 for f in noise)
+
+
 def test_pd_pair_equals_offline(servers, offline):
-    prefill, decode = servers
+    prefill, decode = servers[:2]
     assert _split(prefill.url, decode.url, GREEDY) == offline["greedy"]
     assert _split(prefill.url, decode.url, SEEDED) == offline["seeded"][:1]
