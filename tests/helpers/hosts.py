@@ -119,23 +119,20 @@ class Host:
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for proc in self.processes:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            _signal_group(proc, signal.SIGKILL)
-            try:
-                proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                pass
+            _kill_group_after(proc, max(0.0, deadline - time.monotonic()))
         self.processes.clear()
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """Stop ``proc``'s whole session: SIGTERM, then SIGKILL (to anything of it still left) after ``grace_s``."""
     _signal_group(proc, signal.SIGTERM)
+    _kill_group_after(proc, grace_s)
+
+
+def _kill_group_after(proc: subprocess.Popen, wait_s: float) -> None:
+    """Give ``proc`` ``wait_s`` to end, then SIGKILL whatever of its session is left and reap it."""
     try:
-        proc.wait(grace_s)
+        proc.wait(wait_s)
     except subprocess.TimeoutExpired:
         pass
     _signal_group(proc, signal.SIGKILL)
